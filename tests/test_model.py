@@ -1,0 +1,376 @@
+"""The GPT and every normalization scheme, checked against the equations they implement."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from model import (
+    DNT_SETTINGS,
+    GPT,
+    NORM_TYPES,
+    SCHEMES,
+    GeodesicStep,
+    GPTConfig,
+    HeadwiseRMSNorm,
+    ScaledAdd,
+    block_activation_rms,
+    geonorm_decay,
+)
+
+NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, HeadwiseRMSNorm)
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(block_size=16, vocab_size=50, n_layer=3, n_head=2, n_embd=32)
+    return GPTConfig(**{**base, **kw})
+
+
+def tokens(batch=2, length=16, vocab=50, seed=0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def residual_stream(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Embedding output followed by every block's output."""
+    outs = [model.embed(idx)]
+    for block in model.blocks:
+        outs.append(block(outs[-1]))
+    return outs
+
+
+# ----------------------------------------------------------------------------- the core GPT
+
+
+def test_logits_shape_and_initial_loss_is_near_log_vocab():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = tokens()
+    logits, loss = model(idx, tokens(seed=1))
+    assert logits.shape == (2, 16, 50)
+    # N(0, 0.02) weights give near-uniform logits: loss within 0.1 nat of ln(50) = 3.91
+    assert abs(loss.item() - math.log(50)) < 0.1
+    last, none = model(idx)
+    assert last.shape == (2, 1, 50) and none is None
+
+
+def test_head_is_tied_to_token_embedding():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.wte.weight
+    n_params = sum(p.numel() for p in model.parameters())
+    assert model.get_num_params(non_embedding=False) == n_params
+    assert model.get_num_params() == n_params - model.wpe.weight.numel()
+
+
+def test_vector_mode_maps_float_vectors_to_vectors():
+    model = GPT(tiny(in_features=13, out_features=5, embed_fan_in=7, pos="rope", mlp="swiglu"))
+    out, loss = model(torch.randn(3, 10, 13))
+    assert out.shape == (3, 10, 5) and loss is None
+    assert model.wte.bias is None and model.wpe is None
+    # seed 004 §4.3: embedding entries ~ N(0, 1/7); 32*13 samples -> std within 15%
+    assert abs(model.wte.weight.std().item() - 7**-0.5) < 0.15 * 7**-0.5
+
+
+def test_attention_is_causal():
+    for pos in ("learned", "rope"):
+        model = GPT(tiny(pos=pos)).eval()
+        idx = tokens()
+        changed = idx.clone()
+        changed[:, 10:] = (changed[:, 10:] + 1) % 50
+        a = model(idx, idx)[0][:, :10]
+        b = model(changed, changed)[0][:, :10]
+        assert torch.allclose(a, b, atol=1e-6), pos  # float32 noise only
+
+
+def test_bad_config_values_name_the_valid_choices():
+    with pytest.raises(ValueError, match="norm_scheme='geo'.*geonorm"):
+        GPTConfig(norm_scheme="geo")
+    with pytest.raises(ValueError, match="norm='batchnorm'.*rmsnorm"):
+        GPTConfig(norm="batchnorm")
+    with pytest.raises(ValueError, match="divisible by n_head"):
+        GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="combine='mul'"):
+        GPTConfig(combine="mul")
+
+
+# ----------------------------------------------------------------------------- Pre-Norm and eq. 13
+
+
+@pytest.mark.parametrize("norm", NORM_TYPES)
+def test_pre_alt_matches_pre(norm):
+    """GeoNorm App. B eq. 13: the rescaled stream x_j / sqrt(j+1) gives the same logits, because
+    every norm here is scale invariant. norm_eps=0 removes the only term that is not."""
+    torch.manual_seed(0)
+    pre = GPT(tiny(norm=norm, norm_eps=0.0)).double()
+    alt = GPT(tiny(norm=norm, norm_eps=0.0, norm_scheme="pre_alt")).double()
+    alt.load_state_dict(pre.state_dict())
+    idx = tokens()
+    # float64 round-off over 3 blocks is ~1e-15 relative; 1e-10 leaves ample margin
+    torch.testing.assert_close(alt(idx, idx)[0], pre(idx, idx)[0], rtol=1e-10, atol=1e-10)
+    # and the streams really differ by sqrt(j+1), j = 2 per block
+    for layer, (a, p) in enumerate(zip(residual_stream(alt, idx), residual_stream(pre, idx), strict=True)):
+        torch.testing.assert_close(a, p / math.sqrt(2 * layer + 1), rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- GeoNorm
+
+
+def geonorm_model(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(tiny(norm_scheme="geonorm", n_layer=4, **kw)).double()
+
+
+@pytest.mark.parametrize("decay", ["harmonic", "sqrt", "linear", "none"])
+def test_geonorm_preserves_token_norm(decay):
+    model = geonorm_model(geonorm_decay=decay)
+    stream = residual_stream(model, tokens())
+    norms = [x.norm(dim=-1) for x in stream]
+    for n in norms[1:]:
+        # a rotation changes nothing but rounding: 1e-12 relative in float64
+        torch.testing.assert_close(n, norms[0], rtol=1e-12, atol=0)
+
+
+def test_geonorm_applied_angle_never_exceeds_clamp():
+    torch.manual_seed(0)
+    step = GeodesicStep(decay=1.0, clamp=math.pi / 8).double()
+    x, s = torch.randn(1000, 16, dtype=torch.float64), 10 * torch.randn(1000, 16, dtype=torch.float64)
+    for a, b in [(1.0, 0.0), (50.0, 3.0), (-50.0, -3.0), (1.0, 10.0)]:
+        step.a.data.fill_(a)
+        step.b.data.fill_(b)
+        theta = step.angle(x, s)[0]
+        assert theta.abs().max().item() <= math.pi / 8 + 1e-15
+        # the step moves x by exactly |theta| along the great circle
+        moved = step(x, s)
+        cos = (moved * x).sum(-1) / (x.norm(dim=-1) * moved.norm(dim=-1))
+        torch.testing.assert_close(cos.clamp(-1, 1).acos(), theta.squeeze(-1).abs(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("decay", ["harmonic", "sqrt", "linear", "none"])
+def test_geonorm_decay_schedules_give_expected_angle_caps(decay):
+    c = math.pi / 4
+    model = geonorm_model(geonorm_decay=decay, geonorm_clamp=c)
+    L = model.config.n_layer
+    expected = {"harmonic": lambda l: 1 / (l + 1), "sqrt": lambda l: 1 / math.sqrt(l + 1),
+                "linear": lambda l: (L - l) / L, "none": lambda l: 1.0}[decay]
+    # a huge orthogonal update saturates theta at c, so theta' = c * decay(l): the layer's cap
+    x = torch.randn(64, 32, dtype=torch.float64)
+    s = torch.randn(64, 32, dtype=torch.float64) * 1e3
+    for l, block in enumerate(model.blocks):
+        for update in (block.attn, block.mlp):  # attention and MLP share the block's decay
+            theta = update.combine.angle(x, s)[0]
+            torch.testing.assert_close(theta, torch.full_like(theta, c * expected(l)), rtol=1e-12, atol=0)
+            assert geonorm_decay(decay, l, L) == pytest.approx(expected(l))
+
+
+def test_geonorm_a_and_b_receive_gradients():
+    model = GPT(tiny(norm_scheme="geonorm"))
+    idx = tokens()
+    model(idx, idx)[1].backward()
+    steps = [m for m in model.modules() if isinstance(m, GeodesicStep)]
+    assert len(steps) == 2 * model.config.n_layer
+    for step in steps:
+        assert step.a.requires_grad and step.a.dtype == torch.float32
+        assert step.a.grad is not None and step.a.grad.abs() > 0
+        assert step.b.grad is not None and step.b.grad.abs() > 0
+
+
+def eq5_reference(x: np.ndarray, s: np.ndarray, a: float, b: float, decay: float, c: float) -> np.ndarray:
+    """GeoNorm eq. 5 for one residual update, token by token, in float64 numpy."""
+    out = np.empty_like(x)
+    for i, (xi, si) in enumerate(zip(x.reshape(-1, x.shape[-1]), s.reshape(-1, s.shape[-1]), strict=True)):
+        r = max(np.linalg.norm(xi), 1e-6)
+        v = si - (xi @ si) / r**2 * xi
+        vn = max(np.linalg.norm(v), 1e-8)
+        theta = min(vn / r, c)
+        theta = min(max((a * theta + b) * decay, -c), c)
+        out.reshape(-1, x.shape[-1])[i] = math.cos(theta) * xi + r * math.sin(theta) * v / vn
+    return out
+
+
+def test_geonorm_block_matches_independent_eq5():
+    model = geonorm_model(geonorm_decay="harmonic")
+    for l, block in enumerate(model.blocks):  # learned a, b away from init, so both enter
+        for k, update in enumerate((block.attn, block.mlp)):
+            update.combine.a.data.fill_(0.7 + 0.1 * k)
+            update.combine.b.data.fill_(0.05 * l)
+    x = model.embed(tokens())
+    c = model.config.geonorm_clamp
+    for l, block in enumerate(model.blocks):
+        ref = x.detach().numpy()
+        for update in (block.attn, block.mlp):
+            s = update.sublayer(torch.from_numpy(ref)).detach().numpy()
+            ref = eq5_reference(ref, s, update.combine.a.item(), update.combine.b.item(), 1 / (l + 1), c)
+        x = block(x)
+        # float64 with identical inputs to each sub-layer: only summation-order rounding differs
+        np.testing.assert_allclose(x.detach().numpy(), ref, rtol=1e-10, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- Post-Norm, DeepNorm
+
+
+def test_post_norm_outputs_have_the_norms_scale():
+    torch.manual_seed(0)
+    for scheme in ("post", "deepnorm"):
+        model = GPT(tiny(norm_scheme=scheme))
+        for x in residual_stream(model, tokens())[1:]:
+            # LayerNorm with unit gain, zero bias: each token has mean 0 and variance 1 - O(eps)
+            torch.testing.assert_close(x.mean(-1), torch.zeros(x.shape[:-1]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(x.var(-1, unbiased=False), torch.ones(x.shape[:-1]), atol=1e-3, rtol=0)
+
+
+def test_deepnorm_alpha_and_init_gains():
+    L, d = 6, 64
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="deepnorm", n_layer=L, n_embd=d, n_head=4))
+    alpha, beta = (2 * L) ** 0.25, (8 * L) ** -0.25
+    for block in model.blocks:
+        for update in (block.attn, block.mlp):
+            assert isinstance(update.combine, ScaledAdd)
+            assert update.combine.alpha == pytest.approx(alpha) and update.combine.beta == 1.0
+            assert isinstance(update.post_norm, nn.LayerNorm)
+    # Xavier normal: std = gain * sqrt(2 / (fan_in + fan_out)); over all blocks there are
+    # >= 6*4096 samples per kind, so the std estimate is within ~1%: assert 4%
+    def pooled_std(name):
+        return torch.cat([dict(b.named_parameters())[name].flatten() for b in model.blocks]).std().item()
+
+    expected = {"attn.sublayer.q_proj": (1.0, d + d), "attn.sublayer.k_proj": (1.0, d + d),
+                "attn.sublayer.v_proj": (beta, d + d), "attn.sublayer.out_proj": (beta, d + d),
+                "mlp.sublayer.fc": (beta, d + 4 * d), "mlp.sublayer.proj": (beta, 5 * d)}
+    for name, (gain, fans) in expected.items():
+        assert pooled_std(name + ".weight") == pytest.approx(gain * math.sqrt(2 / fans), rel=0.04), name
+
+
+def test_gpt2_init_scales_residual_projections():
+    L = 4
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=L, n_embd=64, n_head=4))
+    proj = torch.cat([b.mlp.sublayer.proj.weight.flatten() for b in model.blocks])
+    fc = torch.cat([b.mlp.sublayer.fc.weight.flatten() for b in model.blocks])
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.03)  # 65k samples
+    assert fc.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+# ----------------------------------------------------------------------------- DNT
+
+
+def count(model: nn.Module, kind) -> int:
+    return sum(isinstance(m, kind) for m in model.modules())
+
+
+@pytest.mark.parametrize("setting, per_block, global_norms, qk", [
+    ("S1", 2, 1, False),  # pre-norm before attention and MLP; final norm
+    ("S2", 2, 1, True),  # + QK-norm
+    ("S3", 2, 2, True),  # + input norm
+    ("S4", 4, 2, True),  # input, 2 pre-norms, 2 mid-norms, QK-norm
+    ("S5", 3, 2, True),  # input, pre-norm before attention only, 2 mid-norms, QK-norm
+])
+def test_dnt_settings_build_the_documented_norms(setting, per_block, global_norms, qk):
+    L = 3
+    model = GPT(tiny(norm_scheme="dnt", dnt_setting=setting, n_layer=L))
+    qk_norms = sum(isinstance(b.attn.sublayer.q_norm, nn.RMSNorm) + isinstance(b.attn.sublayer.k_norm, nn.RMSNorm)
+                   for b in model.blocks)
+    assert qk_norms == (2 * L if qk else 0)
+    assert count(model, NORM_MODULES) - qk_norms == per_block * L + global_norms
+    assert isinstance(model.input_norm, nn.LayerNorm) == (setting in ("S3", "S4", "S5"))
+    if qk:  # DNT eq. 10: one gain of size head_dim for queries and one for keys
+        assert model.blocks[0].attn.sublayer.q_norm.weight.shape == (16,)
+
+
+def test_dnt_default_is_s5_with_xavier_init():
+    assert GPTConfig(norm_scheme="dnt").scheme == DNT_SETTINGS["S5"]
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="dnt", n_embd=64, n_head=4, n_layer=4))
+    q = torch.cat([b.attn.sublayer.q_proj.weight.flatten() for b in model.blocks])
+    assert q.std().item() == pytest.approx(math.sqrt(2 / 128), rel=0.03)  # 16k samples
+
+
+def test_qk_norm_gives_unit_rms_queries():
+    attn = GPT(tiny(norm_scheme="dnt")).blocks[0].attn.sublayer
+    q = attn.q_norm(attn.q_proj(torch.randn(4, 8, 32)).view(4, 8, 2, 16))
+    torch.testing.assert_close(q.square().mean(-1), torch.ones(4, 8, 2), atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- Lipschitz block
+
+
+def lsq_config(scheme: str, **kw) -> GPTConfig:
+    """Seed 004's vector model, narrower: 15 blocks, SwiGLU, RoPE, no biases."""
+    return GPTConfig(block_size=32, n_layer=15, n_head=4, n_embd=64, norm_scheme=scheme, mlp="swiglu",
+                     pos="rope", bias=False, in_features=13, out_features=5, embed_fan_in=7, **kw)
+
+
+def test_lipschitz_model_has_no_norms_and_orthogonal_matrices():
+    torch.manual_seed(0)
+    model = GPT(lsq_config("lipschitz"))
+    assert count(model, NORM_MODULES) == 0
+    n_checked = 0
+    for block in model.blocks:
+        for update in (block.attn, block.mlp):
+            assert update.branch_scale == pytest.approx(1 / 3)
+            assert (update.combine.alpha, update.combine.beta) == pytest.approx((14 / 15, 1 / 15))
+            for m in update.sublayer.modules():
+                if isinstance(m, nn.Linear):
+                    w = m.weight.double()
+                    gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
+                    torch.testing.assert_close(gram, torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5, rtol=0)
+                    n_checked += 1
+        assert block.attn.sublayer.scale == pytest.approx(1 / 16)  # 1/head_dim, seed 004 §4.3
+    assert n_checked == 15 * 7
+
+
+def test_lipschitz_activations_stay_bounded_while_plain_residual_grows():
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 13)
+    x[..., 7:12] = 0  # x-tokens carry 7 non-zero features, as in the least-squares task
+    lipschitz = block_activation_rms(GPT(lsq_config("lipschitz")), x)
+    torch.manual_seed(0)
+    plain = block_activation_rms(GPT(lsq_config("none")), x)
+    # embedded tokens have RMS ~1; the convex residual of 1-Lipschitz-ish blocks cannot grow it
+    assert max(lipschitz) < 2.0
+    # the plain residual with the same orthogonal init compounds across 15 blocks
+    assert not math.isfinite(plain[-1]) or plain[-1] > 100 * plain[0]
+
+
+def test_diagonal_gain_is_clamped_to_its_cap():
+    model = GPT(lsq_config("lipschitz", gain_cap=5.0))
+    lin = model.blocks[0].mlp.sublayer.fc
+    lin.gain.data.fill_(100.0)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin(x), 5.0 * (x @ lin.weight.T))
+    lin.gain.data.fill_(-1.0)
+    torch.testing.assert_close(lin(x), 1e-3 * (x @ lin.weight.T))
+
+
+# ----------------------------------------------------------------------------- head-wise norm
+
+
+def test_headwise_norm_gives_unit_rms_per_head_group():
+    norm = HeadwiseRMSNorm(32, n_head=4, eps=0.0)
+    x = torch.randn(5, 32) * torch.tensor([0.1, 1.0, 10.0, 100.0]).repeat_interleave(8)
+    y = norm(x).view(5, 4, 8)
+    torch.testing.assert_close(y.square().mean(-1), torch.ones(5, 4), atol=1e-5, rtol=0)
+    norm.weight.data = torch.arange(32.0)
+    torch.testing.assert_close(norm(x), y.flatten(1) * torch.arange(32.0))  # per-channel gain
+
+
+# ----------------------------------------------------------------------------- every scheme trains
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("norm", NORM_TYPES)
+def test_every_scheme_overfits_one_batch(scheme, norm):
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme=scheme, norm=norm, n_layer=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = tokens(), tokens(seed=1)
+    first = model(idx, targets)[1].item()
+    for _ in range(60):
+        loss = model(idx, targets)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    # 32 random targets over 50 classes can be memorized. Most schemes reach < 0.2 nats in 60
+    # steps; the Lipschitz block (no final norm, a residual stream at the 0.02 embedding scale)
+    # is the slowest at ~0.52 x its initial loss, so 0.6 x is the bar every scheme must clear.
+    assert loss.item() < 0.6 * first, (scheme, norm, first, loss.item())
