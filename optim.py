@@ -1,0 +1,684 @@
+"""Optimizers for nanoNorm: AdamW, SGDW (DNT's mSGDW), Muon and Manifold Muon.
+
+Every optimizer here is one `torch.optim.Optimizer`, so the training loop steps, schedules,
+zero_grads and checkpoints a single object whatever the method:
+
+    optimizer = build_optimizer(model, "muon", lr=3e-4, weight_decay=0.0, betas=(0.9, 0.95),
+                                device_type="cuda", matrix_lr=0.02)
+    for group in optimizer.param_groups:          # any schedule, every method
+        group["lr"] = group["base_lr"] * multiplier
+
+Parameters are routed by `split_params` (the one routing rule of the codebase): weights of the
+`nn.Linear` layers inside `model.blocks` are "matrix" parameters; embeddings, the output head,
+gains, biases and scalars are "other" parameters; weight decay applies to >=2-D ones only.
+
+- AdamW: `torch.optim.AdamW` (fused on CUDA).
+- SGDW: momentum SGD with decoupled weight decay, DNT's mSGDW (seed 002, App. C).
+- Muon: orthogonalized momentum for matrices (Keller Jordan's Muon; `torch.optim.Muon` gives
+  the same matrix update), AdamW for the other parameters, inside one object.
+- ManifoldMuon: matrices constrained to the Stiefel manifold, online dual ascent (seed 004
+  §3.1, App. 8.1), AdamW for the other parameters.
+
+Two orthogonalizations live here. `zeropower_newton_schulz` is Muon's: 5 quintic steps in
+bfloat16 that only land singular values in a band around 1. `msign` is the accurate polar
+factor U V^T in float32 that Manifold Muon needs for its retraction.
+
+`python optim.py` times one step of each optimizer on GPT-2-shaped parameters; see `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as adamw_functional
+
+# ----------------------------------------------------------------------------------------------
+# Orthogonalization: Muon's Newton-Schulz and the accurate matrix sign
+
+# Muon's quintic, chosen for the largest slope at 0; it does not converge to 1 (Muon post).
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Classic quintic Newton-Schulz p(s) = (15s - 10s^3 + 3s^5)/8: p(1) = 1, p'(1) = p''(1) = 0,
+# so singular values in (0, 1.52) converge to 1, with cubic order once near 1.
+POLISH_NS_COEFFICIENTS = (15 / 8, -10 / 8, 3 / 8)
+POLISH_STEPS = 3  # Muon's band [0.68, 1.13] to 1: error 0.32 -> 6e-2 -> 6e-4 -> 7e-10
+
+
+def _quintic_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
+    """X <- a X + (b S + c S^2) X with S = X X^T: s <- a s + b s^3 + c s^5 on singular values."""
+    gram = X @ X.mT
+    return torch.addmm(X, torch.addmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)
+
+
+def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Muon's orthogonalization: `steps` quintic steps with Muon's coefficients, in bfloat16,
+    after dividing by the Frobenius norm (so the spectral norm is <= 1). Returns bfloat16
+    U S' V^T with S' in a band around 1, not U V^T; `msign` is the accurate version."""
+    X = G.bfloat16()
+    tall = X.size(0) > X.size(1)  # iterate on the wide orientation: the Gram matrix is smaller
+    if tall:
+        X = X.mT
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(steps):
+        X = _quintic_step(X, *MUON_NS_COEFFICIENTS)
+    return X.mT if tall else X
+
+
+@contextlib.contextmanager
+def _ieee_float32_matmul() -> Iterator[None]:
+    """Full float32 matmuls inside (a training script may have enabled TF32, whose 10-bit
+    mantissa would leave W^T W - I near 1e-3 after the retraction)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def msign(G: Tensor, steps: int = 10) -> Tensor:
+    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square), float32.
+
+    After dividing by the Frobenius norm, `steps - 3` steps of Muon's quintic grow small
+    singular values fast (x3.4 per step) into Muon's band, then 3 steps of the convergent quintic
+    (15s - 10s^3 + 3s^5)/8 polish them to 1. With the default 10 steps every singular value
+    above 1e-4 * ||G||_F comes out within 2e-6 of 1; smaller ones are only partly resolved
+    (1e-5 * ||G||_F becomes 0.37, 1e-6 * ||G||_F becomes 0.04). The iteration acts on singular
+    values only, so in exact arithmetic the error in direction i is |phi(s_i / ||G||_F) - 1| for
+    the scalar map phi; float32 rounding adds about eps * ||G||_F / s_min (tests check both).
+    """
+    if G.ndim != 2:
+        raise ValueError(f"msign expects a matrix, got shape {tuple(G.shape)}")
+    with _ieee_float32_matmul():
+        X = G.float()
+        tall = X.size(0) > X.size(1)
+        if tall:
+            X = X.mT
+        X = X / X.norm().clamp(min=1e-30)
+        for i in range(steps):
+            polish = i >= steps - POLISH_STEPS
+            X = _quintic_step(X, *(POLISH_NS_COEFFICIENTS if polish else MUON_NS_COEFFICIENTS))
+        return X.mT if tall else X
+
+
+# ----------------------------------------------------------------------------------------------
+# SGDW (DNT's mSGDW)
+
+
+class SGDW(Optimizer):
+    """Momentum SGD with decoupled weight decay: DNT's mSGDW (seed 002 §4.2, App. C; timm's SGDW).
+
+        buf <- mu * buf + g                     (dampening 0)
+        d   <- g + mu * buf  if nesterov else buf
+        p   <- p * (1 - lr * wd)                (decoupled, as in AdamW)
+        p   <- p - lr * d
+
+    One state tensor per parameter (`momentum_buffer`), half of AdamW's state. DNT's GPT-2
+    124M setting: lr 1.0, wd 1e-4, mu 0.9, cosine to 6e-5, grad clip 1.0.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0:
+            raise ValueError(f"SGDW needs lr >= 0, 0 <= momentum < 1, weight_decay >= 0; got "
+                             f"lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            bufs = [self._buffer(p) for p in params]
+            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            directions = torch._foreach_add(grads, bufs, alpha=mu) if group["nesterov"] else bufs
+            if wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_add_(params, directions, alpha=-lr)
+        return loss
+
+    def _buffer(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Matrix optimizers with an AdamW for the other parameters, in one object
+
+
+def _world(distributed: bool) -> tuple[int, int]:
+    """(world_size, rank) when sharding applies, else (1, 0)."""
+    if distributed and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _as_groups(params: Iterable[Any] | None, kind: str) -> list[dict[str, Any]]:
+    """A list of tensors becomes one group of `kind`; dicts keep their own "kind" if given."""
+    params = list(params or [])
+    if not params:
+        return []
+    if isinstance(params[0], dict):
+        return [{"kind": kind, **group} for group in params]
+    return [{"kind": kind, "params": params}]
+
+
+class _MatrixAndAdamW(Optimizer):
+    """Shared plumbing of Muon and ManifoldMuon.
+
+    Every param group has a "kind": "matrix" groups get the subclass's update, "adamw" groups get
+    AdamW (torch's functional `adamw`, so the math and the state are torch.optim.AdamW's:
+    "step", "exp_avg", "exp_avg_sq"). Missing keys are filled per kind, so a caller may pass
+    its own groups, e.g. [{"params": hidden, "kind": "matrix"},
+    {"params": emb, "kind": "adamw", "weight_decay": 0.1}, {"params": gains, "kind": "adamw"}].
+
+    Sharding (when torch.distributed is initialized with world_size > 1 and `distributed`):
+    matrix parameters with a gradient are numbered in param-group order; matrix i is updated by
+    rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from that rank.
+    Every rank updates every momentum buffer itself (cheap, elementwise, identical gradients
+    after DDP's all-reduce), so rank 0's state is complete for checkpoints. The owner runs exactly
+    the single-process computation, so the result is bit-identical to not sharding.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        matrix_defaults: dict[str, Any],
+        adamw_params: Iterable[Any] | None,
+        adamw_defaults: dict[str, Any],
+        distributed: bool,
+    ) -> None:
+        self._kind_defaults = {"matrix": matrix_defaults, "adamw": adamw_defaults}
+        self.distributed = distributed
+        groups = _as_groups(params, "matrix") + _as_groups(adamw_params, "adamw")
+        super().__init__(groups, {})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        kind = param_group.setdefault("kind", "matrix")
+        if kind not in self._kind_defaults:
+            raise ValueError(f"param group kind must be 'matrix' or 'adamw', got {kind!r}")
+        for key, value in self._kind_defaults[kind].items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        if kind == "matrix" and any(p.ndim != 2 for p in param_group["params"]):
+            shapes = [tuple(p.shape) for p in param_group["params"] if p.ndim != 2]
+            raise ValueError(f"'matrix' groups take 2-D parameters only, got shapes {shapes}; "
+                             "put the others in an 'adamw' group (split_params does this)")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices = []
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_step(group)
+            else:
+                matrices += [(p, group) for p in group["params"] if p.grad is not None]
+        self._matrix_steps(matrices)
+        return loss
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            state = self.state[p]
+            if not state:  # the state torch.optim.AdamW keeps (non-fused, non-capturable)
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            params, [p.grad for p in params],
+            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+            [s["step"] for s in states],
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )
+
+    def _matrix_steps(self, matrices: list[tuple[Tensor, dict[str, Any]]]) -> None:
+        world_size, rank = _world(self.distributed)
+        pending = []
+        for i, (p, group) in enumerate(matrices):
+            state = self.state[p]
+            first_step = not state
+            if first_step:
+                self._init_state(p, state)
+            state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])  # every rank
+            owner = i % world_size
+            if owner == rank:
+                self._update_matrix(p, state, group, first_step)
+            if world_size > 1:
+                pending += [dist.broadcast(t, src=owner, async_op=True)
+                            for t in self._synced_tensors(p, state)]
+        for work in pending:
+            work.wait()
+
+    def _init_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _synced_tensors(self, p: Tensor, state: dict[str, Tensor]) -> list[Tensor]:
+        """Tensors that the owner of a matrix changed beyond the momentum buffer."""
+        return [p]
+
+    def _update_matrix(self, p: Tensor, state: dict[str, Tensor], group: dict[str, Any],
+                       first_step: bool) -> None:
+        raise NotImplementedError
+
+
+def _momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Muon's momentum in the EMA form of Keller Jordan's Muon and torch.optim.Muon: the buffer
+    is buf <- mu buf + (1 - mu) g, the Nesterov direction (1 - mu) g + mu buf. That is (1 - mu)
+    times the sum form buf <- mu buf + g, d = g + mu buf; both methods normalize it away."""
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def _muon_lr_scale(shape: torch.Size, adjust_lr: str) -> float:
+    """Scale of Muon's step for a rows x cols matrix (names as torch.optim.Muon's adjust_lr_fn)."""
+    rows, cols = shape
+    if adjust_lr == "original":  # Keller Jordan: larger steps for tall (fan_out > fan_in)
+        return max(1.0, rows / cols) ** 0.5
+    return 0.2 * max(rows, cols) ** 0.5  # "match_rms_adamw" (Moonshot): update RMS ~ AdamW's
+
+
+MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+
+
+class Muon(_MatrixAndAdamW):
+    """Muon for matrix parameters, AdamW for the others, in one optimizer (SPEC §3).
+
+    For a matrix W (rows x cols) with gradient g, Keller Jordan's Muon:
+
+        buf <- mu buf + (1 - mu) g;    d = (1 - mu) g + mu buf  (Nesterov) or buf
+        O   = NS_5(d)                  (zeropower_newton_schulz: bfloat16, Frobenius-normalized)
+        W   <- W (1 - lr wd)           (decoupled weight decay, unscaled lr as torch does)
+        W   <- W - lr s O,   s = sqrt(max(1, rows/cols))  ("original")
+                             s = 0.2 sqrt(max(rows, cols)) ("match_rms_adamw", Muon is Scalable)
+
+    This is torch.optim.Muon's update for the same settings (tests compare them). "adamw"
+    groups use adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay unless they set their own.
+    Seed 004 used Muon with lr 1e-3, wd 0.01, mu 0.95.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        adjust_lr: str = "original",
+        adamw_params: Iterable[Any] | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        distributed: bool = True,
+    ) -> None:
+        if adjust_lr not in MUON_LR_ADJUSTMENTS:
+            raise ValueError(f"adjust_lr must be one of {MUON_LR_ADJUSTMENTS}, got {adjust_lr!r}")
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                               weight_decay=weight_decay, adjust_lr=adjust_lr)
+        adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                              weight_decay=adamw_weight_decay)
+        super().__init__(params, matrix_defaults, adamw_params, adamw_defaults, distributed)
+
+    def _update_matrix(self, p, state, group, first_step):
+        d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
+                                group["nesterov"])
+        update = zeropower_newton_schulz(d, group["ns_steps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"] * _muon_lr_scale(p.shape, group["adjust_lr"]))
+
+
+class ManifoldMuon(_MatrixAndAdamW):
+    """Manifold Muon with online dual ascent (seed 004 §3.1, App. 8.1; SPEC §3), AdamW for the
+    other parameters, in one optimizer.
+
+    Each matrix, made tall (n x k, n >= k) by transposing if it is wide, lives on the Stiefel
+    manifold W^T W = I_k (a wide parameter has orthonormal rows). With G the momentum direction
+    (Muon's momentum, see `_momentum_direction`) rescaled to ||G||_F = sqrt(k), one step is
+
+        first step only: W <- msign(W);  Lambda <- -1/4 (W^T G + G^T W)
+        repeat dual_steps:   A = msign(G + 2 W Lambda)      (seed 004 §3.1, step 2)
+                             H = W^T A + A^T W              (tangent-space violation)
+                             Lambda <- Lambda - alpha H     (App. 8.1, "Lambda = Lambda - alpha H")
+        A = msign(G + 2 W Lambda)
+        W <- msign(W - lr A)                                (§3.1 step 3: retraction)
+
+    Lambda (symmetric k x k, state "dual") is kept across steps: that is what makes the dual
+    ascent online. The projection happens at a parameter's first step, not at construction, so
+    resuming from a checkpoint never re-projects. -alpha H is a step of gradient ascent on the
+    dual function -||G + 2 W Lambda||_* (its gradient in Lambda is -H).
+
+    Choices the paper leaves open, and why:
+    - G is rescaled so its singular values have RMS 1 (||G||_F = sqrt(k)). msign(G + 2 W Lambda)
+      is invariant to scaling G and Lambda together, but the dual step alpha H is not
+      (||H||_2 <= 2 whatever G's scale): with the raw gradient the useful alpha would move with
+      the loss scale, batch size, clipping and k. Rescaled, alpha is a fraction of G's typical
+      singular value, and Lambda stays comparable across steps as the gradient shrinks.
+    - alpha = dual_lr = 0.01, the dual step in seed 004's released code (there annealed as
+      alpha (1 - j/J) over J = 50 inner steps, with Lambda re-initialized at every call; here
+      constant and carried). With W frozen and a well-conditioned G the residual ||H|| falls to
+      ~0 (tests); where G + 2 W Lambda has singular values small compared with alpha the ascent
+      can oscillate. Between steps W and G move, so a carried Lambda lags: in toy runs
+      (lr 0.1) ||H||_F / sqrt(k) stays ~1.2-1.5 (2 at most). dual_reset=True re-initializes
+      Lambda from the current W and G at every step, as that code does (for square W this
+      initialization is exact: A is tangent).
+    - No weight decay on matrices: msign(c W) = msign(W), so a shrink of W is undone by the
+      retraction (seed 004 Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
+    - lr is used as is (no rows/cols scaling as in Muon): the retraction sets the scale.
+    Seed 004's settings: lr 0.1-0.2, mu 0.95, grad clip 1.0; others AdamW lr 0.01, betas
+    (0.9, 0.98), wd 0.01.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        dual_steps: int = 1,
+        dual_lr: float = 0.01,
+        dual_reset: bool = False,
+        msign_steps: int = 10,
+        weight_decay: float = 0.0,
+        adamw_params: Iterable[Any] | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        distributed: bool = True,
+    ) -> None:
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, dual_steps=dual_steps,
+                               dual_lr=dual_lr, dual_reset=dual_reset, msign_steps=msign_steps,
+                               weight_decay=weight_decay)
+        adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                              weight_decay=adamw_weight_decay)
+        super().__init__(params, matrix_defaults, adamw_params, adamw_defaults, distributed)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if param_group["kind"] == "matrix" and param_group["weight_decay"] != 0:
+            raise ValueError("ManifoldMuon matrices take no weight decay: the retraction "
+                             "msign(W) undoes any shrink of W; set weight_decay=0 "
+                             "(adamw_weight_decay still applies to the other parameters)")
+
+    def _init_state(self, p, state):
+        super()._init_state(p, state)
+        k = min(p.shape)  # p's dtype: load_state_dict casts floating state to it anyway
+        state["dual"] = torch.zeros(k, k, dtype=p.dtype, device=p.device)
+
+    def _synced_tensors(self, p, state):
+        return [p, state["dual"]]
+
+    def _update_matrix(self, p, state, group, first_step):
+        d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
+                                group["nesterov"])
+        wide = p.size(0) < p.size(1)
+        W, G = (p.mT, d.mT) if wide else (p, d)
+        W, G = W.float(), G.float()
+        G = G * (W.size(1) ** 0.5 / G.norm().clamp(min=1e-30))  # singular values with RMS 1
+        steps = group["msign_steps"]
+        with _ieee_float32_matmul():
+            if first_step:
+                W = msign(W, steps)  # start on the manifold (SPEC §3: weights start orthogonal)
+            if first_step or group["dual_reset"]:
+                WtG = W.mT @ G
+                dual = -0.25 * (WtG + WtG.mT)  # symmetric by construction
+            else:
+                dual = state["dual"].float()
+            for _ in range(group["dual_steps"]):
+                A = msign(G + 2 * W @ dual, steps)
+                WtA = W.mT @ A
+                dual = dual - group["dual_lr"] * (WtA + WtA.mT)  # H is symmetric exactly
+            A = msign(G + 2 * W @ dual, steps)
+            W = msign(W - group["lr"] * A, steps)
+        state["dual"].copy_(dual)
+        p.copy_(W.mT if wide else W)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing and construction
+
+
+def split_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Route every trainable parameter to exactly one of three lists (SPEC §3):
+
+    "matrix":   weights of the nn.Linear layers inside `model.blocks` (attention, MLP);
+    "decay":    every other >=2-D parameter (embeddings, output head);
+    "no_decay": 1-D and 0-D parameters (norm gains, biases, scalars such as GeoNorm's a, b).
+
+    Tied weights (head = embedding) appear once (model.parameters() yields a tensor once).
+    Parameters with requires_grad=False are left out.
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"split_params needs model.blocks, an nn.ModuleList of transformer "
+                         f"blocks; {type(model).__name__} has none")
+    block_linear_weights = {id(m.weight) for m in blocks.modules() if isinstance(m, nn.Linear)}
+    groups: dict[str, list[nn.Parameter]] = {"matrix": [], "decay": [], "no_decay": []}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in block_linear_weights and p.ndim == 2:
+            groups["matrix"].append(p)
+        elif p.ndim >= 2:
+            groups["decay"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    routed = [id(p) for ps in groups.values() for p in ps]
+    expected = {id(p) for p in model.parameters() if p.requires_grad}
+    if len(routed) != len(set(routed)) or set(routed) != expected:
+        raise RuntimeError("split_params routed a parameter twice or not at all")
+    return groups
+
+
+OPTIMIZERS = ("adamw", "sgdw", "muon", "manifold_muon")
+
+# Options of build_optimizer(**options) with their defaults, and who reads them. A training
+# script may pass all of them whatever the optimizer; each optimizer ignores the others.
+OPTIMIZER_OPTIONS: dict[str, Any] = dict(
+    eps=1e-8,  # adamw; also the eps of the AdamW groups of muon / manifold_muon
+    fused=None,  # adamw: fused kernel; None = on CUDA only
+    momentum=0.9,  # sgdw (DNT: 0.9)
+    nesterov=False,  # sgdw
+    matrix_lr=None,  # muon / manifold_muon: lr of the matrices; None = 0.02 / 0.1
+    matrix_momentum=0.95,  # muon / manifold_muon
+    matrix_nesterov=True,  # muon / manifold_muon
+    ns_steps=5,  # muon: Newton-Schulz steps
+    adjust_lr="original",  # muon: "original" or "match_rms_adamw"
+    dual_steps=1,  # manifold_muon: dual-ascent steps per update
+    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (G rescaled to RMS singular value 1)
+    dual_reset=False,  # manifold_muon: re-initialize the dual every step instead of carrying it
+    msign_steps=10,  # manifold_muon: iterations of msign
+    distributed=True,  # muon / manifold_muon: shard the matrices across ranks when possible
+)
+DEFAULT_MATRIX_LR = {"muon": 0.02, "manifold_muon": 0.1}
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    device_type: str,
+    **options: Any,
+) -> Optimizer:
+    """The optimizer `name` for `model`, with parameters routed by `split_params`.
+
+    `lr`, `weight_decay` and `betas` are the AdamW-side settings: AdamW's (and SGDW's lr and
+    weight decay) for "adamw"/"sgdw", the AdamW groups' for "muon"/"manifold_muon", whose
+    matrices take `matrix_lr`. Groups: parameters >= 2-D with `weight_decay` and the rest without;
+    the Muons put the matrices in their own "matrix" group first. Muon decays matrices with
+    `weight_decay` too; Manifold Muon does not (the retraction undoes it). `options` are listed
+    with their defaults in OPTIMIZER_OPTIONS.
+
+    Every param group gets "base_lr" = its initial lr, so a schedule sets
+    group["lr"] = group["base_lr"] * multiplier for all groups.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid names: {', '.join(OPTIMIZERS)}")
+    unknown = sorted(set(options) - set(OPTIMIZER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown optimizer option(s) {unknown}; valid options: "
+                         f"{', '.join(OPTIMIZER_OPTIONS)}")
+    opt = {**OPTIMIZER_OPTIONS, **options}
+    parts = split_params(model)
+    elementwise = name in ("adamw", "sgdw")  # these treat matrices like the other >=2-D params
+    groups = [{"params": (parts["matrix"] if elementwise else []) + parts["decay"],
+               "weight_decay": weight_decay},
+              {"params": parts["no_decay"], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if name == "adamw":
+        fused = device_type == "cuda" if opt["fused"] is None else opt["fused"]
+        optimizer: Optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=opt["eps"],
+                                                 fused=fused)
+    elif name == "sgdw":
+        optimizer = SGDW(groups, lr=lr, momentum=opt["momentum"], nesterov=opt["nesterov"])
+    else:
+        matrix_lr = DEFAULT_MATRIX_LR[name] if opt["matrix_lr"] is None else opt["matrix_lr"]
+        shared = dict(lr=matrix_lr, momentum=opt["matrix_momentum"],
+                      nesterov=opt["matrix_nesterov"], adamw_params=groups, adamw_lr=lr,
+                      adamw_betas=betas, adamw_eps=opt["eps"], distributed=opt["distributed"])
+        if name == "muon":
+            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"], weight_decay=weight_decay,
+                             adjust_lr=opt["adjust_lr"], **shared)
+        else:
+            optimizer = ManifoldMuon(parts["matrix"], dual_steps=opt["dual_steps"],
+                                     dual_lr=opt["dual_lr"], dual_reset=opt["dual_reset"],
+                                     msign_steps=opt["msign_steps"], **shared)
+    for group in optimizer.param_groups:
+        group["base_lr"] = group["lr"]
+    return optimizer
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark: one optimizer step on GPT-2-shaped parameters
+
+BENCH_SHAPES = {  # n_layer, n_embd, vocab_size, block_size
+    "124m": (12, 768, 50304, 1024),  # GPT-2 small
+    "small": (4, 256, 8192, 256),  # a CPU-sized stand-in with the same layout
+    "tiny": (2, 64, 512, 64),  # a smoke test
+}
+
+
+class _GPT2Shapes(nn.Module):
+    """GPT-2's parameters (no forward): blocks of Linear layers, LayerNorms, tied embedding."""
+
+    def __init__(self, n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)  # the head is tied to it
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(
+                ln_1=nn.LayerNorm(n_embd), c_attn=nn.Linear(n_embd, 3 * n_embd),
+                attn_proj=nn.Linear(n_embd, n_embd), ln_2=nn.LayerNorm(n_embd),
+                c_fc=nn.Linear(n_embd, 4 * n_embd), mlp_proj=nn.Linear(4 * n_embd, n_embd)))
+            for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+
+
+def _state_bytes(optimizer: Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, Tensor))
+
+
+def benchmark_optimizers(
+    shape: str = "small",
+    device: str = "cpu",
+    steps: int = 5,
+    warmup: int = 2,
+    names: Iterable[str] = OPTIMIZERS,
+) -> list[dict[str, Any]]:
+    """Median wall time of one `step()` and the optimizer-state size for each optimizer, on
+    GPT-2-shaped parameters with fixed random gradients. Returns one dict per optimizer with
+    keys name, step_ms, state_bytes, step_ratio and state_ratio (both relative to "adamw" when
+    it is among `names`, else None)."""
+    torch.manual_seed(0)
+    model = _GPT2Shapes(*BENCH_SHAPES[shape]).to(device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    device_type = torch.device(device).type
+    rows = []
+    for name in names:
+        optimizer = build_optimizer(model, name, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                    device_type=device_type)
+        times = []
+        for i in range(warmup + steps):
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            optimizer.step()
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        rows.append(dict(name=name, step_ms=1e3 * statistics.median(times),
+                         state_bytes=_state_bytes(optimizer)))
+        del optimizer
+    base = next((r for r in rows if r["name"] == "adamw"), None)
+    for r in rows:
+        r["step_ratio"] = r["step_ms"] / base["step_ms"] if base else None
+        r["state_ratio"] = r["state_bytes"] / base["state_bytes"] if base else None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Time one step of each optimizer on the "
+                                     "parameters of a GPT-2 (hidden matrices + embeddings).")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=sorted(BENCH_SHAPES), default=None,
+                        help="parameter shapes (default: 124m on CUDA, small on CPU)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    args = parser.parse_args()
+    shape = args.shape or ("124m" if args.device.startswith("cuda") else "small")
+    n_layer, n_embd, vocab, block = BENCH_SHAPES[shape]
+    print(f"shape {shape} ({n_layer} layers, d {n_embd}, vocab {vocab}, context {block}), "
+          f"device {args.device}, median of {args.steps} steps after {args.warmup} warm-up")
+    rows = benchmark_optimizers(shape, args.device, args.steps, args.warmup,
+                                args.optimizers.split(","))
+    print(f"{'optimizer':<14}{'step ms':>10}{'x AdamW':>9}{'state MB':>10}{'x AdamW':>9}")
+    for r in rows:
+        step_ratio = f"{r['step_ratio']:.2f}" if r["step_ratio"] is not None else "-"
+        state_ratio = f"{r['state_ratio']:.2f}" if r["state_ratio"] is not None else "-"
+        print(f"{r['name']:<14}{r['step_ms']:>10.1f}{step_ratio:>9}"
+              f"{r['state_bytes'] / 2**20:>10.1f}{state_ratio:>9}")
+
+
+if __name__ == "__main__":
+    main()
