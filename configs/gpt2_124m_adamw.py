@@ -1,0 +1,31 @@
+# GPT-2 124M with AdamW, the baseline of DNT App. C / Table 1 (val loss 2.867 on OpenWebText).
+# Data: OpenWebText (python prepare_data.py openwebtext). Expects 8 GPUs (bf16):
+# torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_adamw.py
+dataset = "openwebtext"
+out_dir = "out/gpt2_124m_adamw"
+norm_scheme = "pre"
+norm = "layernorm"
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+dropout = 0.0
+bias = True
+# global batch 480 sequences x 1024 tokens = 12 per micro-batch x 40 micro-batches
+batch_size = 12
+gradient_accumulation_steps = 40
+max_iters = 200000
+lr_decay_iters = 200000
+optimizer = "adamw"
+learning_rate = 6e-4
+min_lr = 6e-5
+warmup_iters = 2000
+beta1 = 0.9
+beta2 = 0.95
+weight_decay = 0.1
+grad_clip = 1.0
+dtype = "bfloat16"
+eval_interval = 1000
+eval_iters = 200
+log_interval = 10
+compile = True

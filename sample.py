@@ -1,0 +1,65 @@
+"""
+Sample text from a trained checkpoint.
+
+    python sample.py --out_dir=out/quickstart
+    python sample.py --out_dir=out/quickstart --start="ROMEO:" --num_samples=3 --max_new_tokens=300
+    python sample.py --out_dir=out --start=FILE:prompt.txt --temperature=0.7 --top_k=50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import prepare_data
+from model import GPT, GPTConfig
+from train import ConfigError, load_checkpoint
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default="out", help="folder holding ckpt.pt")
+    p.add_argument("--start", default="\n", help="prompt text, or FILE:path to read it from a file")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="<1 sharper, >1 more random")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def load_model(out_dir: str, device: str) -> tuple[GPT, prepare_data.Tokenizer]:
+    checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+    if "data_meta" not in checkpoint:
+        raise ConfigError("this checkpoint has no tokenizer (it was trained on a vector task, not text)")
+    model = GPT(GPTConfig(**checkpoint["model_args"]))
+    model.load_state_dict(checkpoint["model"])
+    return model.to(device).eval(), prepare_data.tokenizer_from_meta(checkpoint["data_meta"])
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        model, tokenizer = load_model(args.out_dir, args.device)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    start = args.start
+    if start.startswith("FILE:"):
+        with open(start[5:], encoding="utf-8") as f:
+            start = f.read()
+    prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=args.device)
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    for _ in range(args.num_samples):
+        out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, generator=generator)
+        print(tokenizer.decode(out[0].tolist()))
+        print("-" * 40)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,29 @@
+"""Shared fixtures: the embedded corpus prepared once per test session, and tiny run settings."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> str:
+    """A data folder holding shakespeare_char, prepared from the embedded corpus."""
+    import prepare_data
+
+    path = str(tmp_path_factory.mktemp("data"))
+    prepare_data.prepare("shakespeare", tokenizer="char", data_dir=path)
+    return path
+
+
+def tiny_run_args(data_dir: str, out_dir: str, **overrides) -> list[str]:
+    """train.py arguments for a run of a few seconds on the char corpus."""
+    settings = dict(dataset="shakespeare_char", data_dir=data_dir, out_dir=out_dir, n_layer=2, n_head=2,
+                    n_embd=32, block_size=32, batch_size=4, max_iters=8, lr_decay_iters=8, warmup_iters=2,
+                    eval_interval=4, eval_iters=2, log_interval=1, learning_rate=1e-3, dropout=0.0)
+    settings.update(overrides)
+    return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in settings.items()]

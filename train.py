@@ -1,0 +1,606 @@
+"""
+Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
+
+    python train.py configs/quickstart.py                       # CPU or one GPU
+    python train.py configs/quickstart.py --n_layer=2 --compile=True
+    torchrun --standalone --nproc_per_node=8 train.py configs/geonorm_125m.py
+    torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
+        --nproc_per_node=8 train.py configs/geonorm_125m.py     # then node_rank=1 on the other
+
+A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it. Every key is
+a field of `TrainConfig` below or of `model.GPTConfig`; anything else stops with a message.
+
+Reproducibility: the batch a micro-step sees depends only on (seed, iteration, global
+micro-batch index), and dropout's RNG is re-seeded from (seed, iteration, rank) at every step,
+so a resumed run continues exactly and 2 ranks x 1 micro-batch train like 1 rank x 2.
+
+Exit codes: 0 done, 1 crash (an uncaught error), 2 bad config or input, 3 diverged
+(a non-finite loss; metrics.jsonl then ends with {"status": "diverged", "iter": ...}).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import math
+import os
+import sys
+import time
+import types
+import typing
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import prepare_data
+from model import GPT, GPTConfig, block_activation_rms
+
+EXIT_CONFIG, EXIT_DIVERGED = 2, 3
+CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250
+    log_interval: int = 10
+    eval_iters: int = 20
+    eval_only: bool = False
+    always_save_checkpoint: bool = True
+    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    overwrite: bool = False  # let a scratch run replace an existing out_dir/ckpt.pt
+    keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: only the last)
+    sample_tokens: int = 0  # print a sample of this many tokens from the final model
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "nanonorm"
+    wandb_run_name: str = "run"
+    # data
+    task: str = "lm"  # "lm" (next-token prediction) or "icl" (seed 004's least-squares task)
+    dataset: str = "shakespeare_char"
+    data_dir: str = "data"
+    gradient_accumulation_steps: int = 1  # global count, divided among the ranks
+    batch_size: int = 12  # per micro-batch
+    # optimizer and schedule
+    optimizer: str = "adamw"  # see optim.OPTIMIZERS
+    learning_rate: float = 6e-4
+    max_iters: int = 5000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.9  # sgdw's momentum
+    nesterov: bool = False  # sgdw
+    matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
+    matrix_momentum: float = 0.95
+    dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
+    dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
+    dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
+    msign_steps: int = 10  # manifold_muon: iterations of msign (the retraction's accuracy)
+    ns_steps: int = 5  # muon: Newton-Schulz steps
+    adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
+    grad_clip: float = 1.0  # 0 disables
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000
+    min_lr: float = 6e-5
+    # system
+    backend: str = "auto"  # "nccl", "gloo", or "auto" (nccl on CUDA, gloo otherwise)
+    device: str = "auto"  # "auto" picks cuda, then mps, then cpu
+    dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: bf16 (or fp16) on CUDA, fp32 else
+    compile: bool = False
+    seed: int = 1337
+    # the least-squares task (task="icl"); see icl_task.get_batch
+    icl_pairs: int = 64
+    icl_dim: int = 5
+    icl_noise_std: float = 0.01
+    icl_order: str = "random"
+    icl_bias_feature: bool = True
+    icl_eval_batches: int = 8  # size of the fixed eval set, in batches of batch_size
+
+
+TRAIN_KEYS = {f.name: f for f in fields(TrainConfig)}
+MODEL_KEYS = {f.name: f for f in fields(GPTConfig)}
+
+
+class ConfigError(ValueError):
+    """A config key or value the user has to fix; train.py exits with code 2."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def _expected_types(name: str) -> tuple[type, ...]:
+    owner = TrainConfig if name in TRAIN_KEYS else GPTConfig
+    hint = typing.get_type_hints(owner)[name]
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    allowed = tuple(type(None) if a is type(None) else a for a in args)
+    return allowed + ((int,) if float in allowed else ())
+
+
+def check_value(name: str, value: object) -> object:
+    """Check a value against the key's type; ints are accepted for floats."""
+    if name not in TRAIN_KEYS and name not in MODEL_KEYS:
+        close = difflib.get_close_matches(name, [*TRAIN_KEYS, *MODEL_KEYS], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown config key '{name}'{hint}")
+    allowed = _expected_types(name)
+    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed[:2])
+        raise ConfigError(f"config key '{name}' expects {names}, got {value!r} ({type(value).__name__})")
+    return float(value) if float in allowed and isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def read_config_file(path: str) -> dict:
+    """Execute a config file of plain assignments and return its public names."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found (see configs/ for examples)")
+    namespace: dict = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), namespace)
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
+
+
+def parse_overrides(args: list[str]) -> dict:
+    overrides = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"cannot parse argument {arg!r}: use --key=value")
+        key, text = arg[2:].split("=", 1)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare word is a string: --norm_scheme=geonorm
+        overrides[key] = value
+    return overrides
+
+
+def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
+    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
+    settings: dict = {}
+    if argv and not argv[0].startswith("--"):
+        settings.update(read_config_file(argv[0]))
+        argv = argv[1:]
+    settings.update(parse_overrides(argv))
+    settings = {k: check_value(k, v) for k, v in settings.items()}
+    train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
+    model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
+    check_train_config(train)
+    return train, model_args
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    import optim
+
+    choices = {"init_from": ("scratch", "resume"), "task": ("lm", "icl"),
+               "optimizer": optim.OPTIMIZERS, "dtype": ("auto", "float32", "bfloat16", "float16"),
+               "backend": ("auto", "nccl", "gloo"), "icl_order": ("random", "xy", "yx"),
+               "adjust_lr": ("original", "match_rms_adamw")}
+    for key, valid in choices.items():
+        if getattr(cfg, key) not in valid:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
+    for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+
+
+# ----------------------------------------------------------------------------- system
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
+    """Start the process group under torchrun and pick this rank's device."""
+    device = cfg.device
+    if device == "auto":
+        mps = getattr(torch.backends, "mps", None)
+        device = "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
+    if "RANK" not in os.environ:
+        return Dist(), device
+    ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        device = f"cuda:{ddp.local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend)
+    return ddp, device
+
+
+def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def stream_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers (numpy's SeedSequence hashing)."""
+    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class TextData:
+    """Random windows of a tokenized dataset; window k of iteration i is a pure function of
+    (seed, split, i, k), never of which rank draws it."""
+
+    SPLITS = {"train": 0, "val": 1}
+
+    def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
+        path = os.path.join(cfg.data_dir, cfg.dataset)
+        if not os.path.exists(os.path.join(path, "meta.json")) and cfg.dataset in prepare_data.EMBEDDED_DATASETS:
+            if master:  # the embedded corpus is small and needs no network: make it now
+                print(f"preparing the embedded dataset {cfg.dataset} in {path} ...")
+                tokenizer = "char" if cfg.dataset.endswith("_char") else "gpt2"
+                prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=cfg.data_dir)
+            if dist.is_initialized():
+                dist.barrier()
+        try:
+            self.meta = prepare_data.load_meta(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        self.arrays = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=self.meta["dtype"], mode="r")
+                       for s in self.SPLITS}
+        self.block_size, self.batch_size, self.seed, self.device = block_size, cfg.batch_size, cfg.seed, device
+        for split, data in self.arrays.items():
+            if len(data) <= block_size + 1:
+                raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
+                                  f"({len(data)} tokens); use a smaller --block_size")
+
+    def batch(self, split: str, iteration: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.arrays[split]
+        rng = np.random.default_rng(stream_seed(self.seed, self.SPLITS[split], iteration, index))
+        starts = rng.integers(0, len(data) - self.block_size - 1, size=self.batch_size)
+        window = np.stack([data[s: s + self.block_size + 1] for s in starts]).astype(np.int64)
+        xy = torch.from_numpy(window)
+        if self.device.startswith("cuda"):
+            xy = xy.pin_memory().to(self.device, non_blocking=True)
+        else:
+            xy = xy.to(self.device)
+        return xy[:, :-1], xy[:, 1:]
+
+
+class LanguageModelTask:
+    """Next-token prediction on a prepared dataset."""
+
+    def __init__(self, cfg: TrainConfig, model_args: dict, device: str, master: bool):
+        block_size = model_args.get("block_size", MODEL_KEYS["block_size"].default)
+        self.data = TextData(cfg, block_size, device, master)
+        vocab = self.data.meta["vocab_size"]
+        # pad big vocabularies to a multiple of 64 for fast matmuls (GPT-2: 50257 -> 50304)
+        self.model_defaults = {"vocab_size": 64 * math.ceil(vocab / 64) if vocab > 1024 else vocab}
+        self.tokens_per_batch = cfg.batch_size * block_size
+        self.eval_iters = cfg.eval_iters
+
+    def train_batch(self, iteration: int, index: int):
+        return self.data.batch("train", iteration, index)
+
+    def loss(self, model, batch) -> torch.Tensor:
+        x, y = batch
+        return model(x, y)[1]
+
+    def eval_batches(self, split: str, ddp: Dist):
+        # the same windows at every evaluation (iteration -1), shared out among the ranks
+        return (self.data.batch(split, -1, k) for k in range(ddp.rank, self.eval_iters, ddp.world_size))
+
+    def eval_splits(self) -> tuple[str, ...]:
+        return ("train", "val")
+
+
+def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool):
+    if cfg.task == "icl":
+        from icl_task import LeastSquaresTask
+
+        return LeastSquaresTask(cfg, model_args, device)
+    return LanguageModelTask(cfg, model_args, device, master)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write atomically: a crash mid-save leaves the previous file intact."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, device: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"init_from='resume' but there is no checkpoint at {path}; "
+                          "train with init_from='scratch' first or fix --out_dir")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated zip, foreign pickle, unreadable file
+        raise ConfigError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); it may be "
+                          "truncated or not a nanoNorm checkpoint. Nothing was changed; "
+                          "restore it or start a new run with another --out_dir") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is not a nanoNorm checkpoint (no '{CHECKPOINT_FORMAT}' marker); nothing was changed")
+    return state
+
+
+# ----------------------------------------------------------------------------- schedule and logging
+
+
+def lr_multiplier(cfg: TrainConfig, it: int) -> float:
+    """Linear warmup, then cosine decay to min_lr/learning_rate at lr_decay_iters (nanoGPT's schedule)."""
+    if not cfg.decay_lr:
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    floor = cfg.min_lr / cfg.learning_rate
+    if it > cfg.lr_decay_iters:
+        return floor
+    progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line; on resume, lines past the checkpoint are dropped."""
+
+    def __init__(self, out_dir: str, resume_iter: int | None, enabled: bool, wandb_run=None):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, wandb_run
+        if enabled and resume_iter is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if self._before_resume(json.loads(line), resume_iter)]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        elif enabled and os.path.exists(self.path):
+            os.remove(self.path)
+
+    @staticmethod
+    def _before_resume(record: dict, resume_iter: int) -> bool:
+        # the resumed run re-logs the evaluation at resume_iter and everything after it
+        it = record.get("iter", 0)
+        return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
+
+    def write(self, **record) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))
+
+
+def device_peak_flops(device: str, dtype: torch.dtype) -> float:
+    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, a matmul peak measured now."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                 "4090": 165e12, "3090": 71e12, "V100": 125e12}
+        return next((v for k, v in table.items() if k in name), float("nan"))
+    if device != "cpu":
+        return float("nan")
+    a = torch.randn(1024, 1024, dtype=dtype)
+    a @ a  # warm-up
+    best = float("inf")
+    for _ in range(4):  # the fastest of a few repeats: the least disturbed by other processes
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / best
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dict | None):
+    import optim
+
+    if checkpoint is not None:
+        model_args = checkpoint["model_args"]
+    else:
+        model_args = {**task.model_defaults, **model_args}
+    try:
+        gptconf = GPTConfig(**model_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    torch.manual_seed(cfg.seed)  # the same init on every rank
+    model = GPT(gptconf).to(device)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    optimizer = optim.build_optimizer(
+        model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2), device_type=device.split(":")[0], momentum=cfg.momentum,
+        nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
+        dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
+        msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    return gptconf, model, optimizer
+
+
+@torch.no_grad()
+def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
+    """Mean loss per split, averaged over all ranks' batches; plus the task's extra metrics."""
+    model.eval()
+    out = {}
+    for split in task.eval_splits():
+        total = torch.zeros(2, device=next(model.parameters()).device)
+        for batch in task.eval_batches(split, ddp):
+            with autocast:
+                total += torch.stack([task.loss(model, batch).float(), torch.ones((), device=total.device)])
+        if ddp.world_size > 1:
+            dist.all_reduce(total)
+        out[f"{split}_loss"] = (total[0] / total[1]).item()
+    if hasattr(task, "extra_metrics"):
+        out.update(task.extra_metrics(model, autocast))
+    # residual-stream RMS after each block on one val batch (seed 004 Fig. 3)
+    batch = next(iter(task.eval_batches("val", Dist())))
+    out["block_rms"] = block_activation_rms(raw_model, batch[0] if isinstance(batch, tuple) else batch.tokens)
+    model.train()
+    return out
+
+
+def find_blown_block(model, batch) -> int | None:
+    """The first block whose output is not finite on this batch, if any."""
+    inputs = batch[0] if isinstance(batch, tuple) else batch.tokens
+    rms = block_activation_rms(model, inputs)
+    return next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
+
+
+def train(argv: list[str]) -> int:
+    cfg, model_args = load_config(argv)
+    ddp, device = setup_distributed(cfg)
+    if cfg.gradient_accumulation_steps % ddp.world_size:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
+                          f"the number of processes ({ddp.world_size})")
+    accum = cfg.gradient_accumulation_steps // ddp.world_size
+    if ddp.master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    checkpoint = load_checkpoint(ckpt_path, device) if cfg.init_from == "resume" else None
+    if checkpoint is None and os.path.exists(ckpt_path) and not cfg.overwrite and not cfg.eval_only:
+        raise ConfigError(f"{ckpt_path} already exists; continue it with --init_from=resume, choose another "
+                          "--out_dir, or pass --overwrite=True to replace it")
+    task = make_task(cfg, model_args, device, ddp.master)
+    gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
+    raw_model = model
+    dtype = autocast_dtype(cfg, device)
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    if checkpoint is not None and "scaler" in checkpoint:
+        scaler.load_state_dict(checkpoint["scaler"])
+    if cfg.compile:
+        model = torch.compile(model)
+    if ddp.world_size > 1:
+        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None)
+
+    iter_num = checkpoint["iter_num"] if checkpoint else 0
+    best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
+    wandb_run = None
+    if cfg.wandb_log and ddp.master:
+        import wandb
+
+        wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+    log = MetricsLog(cfg.out_dir, iter_num if checkpoint else None, ddp.master, wandb_run)
+    tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
+    flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
+    peak = device_peak_flops(device, dtype) * ddp.world_size
+    if ddp.master:
+        print(f"{gptconf.norm_scheme} / {gptconf.norm}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
+              f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
+
+    def checkpoint_state() -> dict:
+        return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val,
+                "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
+                **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
+
+    t_last, iters_since_log = time.perf_counter(), 0
+    while True:
+        if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
+            metrics = evaluate(model, raw_model, task, ddp, autocast)
+            if not all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)):
+                return report_divergence(iter_num, log, ddp, raw_model, task)
+            if ddp.master:
+                print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                       if isinstance(v, float)))
+                log.write(kind="eval", iter=iter_num, **metrics)
+                improved = metrics["val_loss"] < best_val
+                best_val = min(best_val, metrics["val_loss"])
+                if iter_num > 0 and not cfg.eval_only and (cfg.always_save_checkpoint or improved):
+                    save_checkpoint(ckpt_path, checkpoint_state())
+                    if cfg.keep_every and iter_num % cfg.keep_every == 0:
+                        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iter_num}.pt"), checkpoint_state())
+            t_last = time.perf_counter()  # evaluation time is not training time
+        if iter_num >= cfg.max_iters or cfg.eval_only:
+            break
+
+        mult = lr_multiplier(cfg, iter_num)
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * mult
+        torch.manual_seed(stream_seed(cfg.seed, iter_num, ddp.rank, 7))  # dropout masks
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            batch = task.train_batch(iter_num, ddp.rank * accum + micro)
+            sync = micro == accum - 1 or ddp.world_size == 1
+            with (nullcontext() if sync else model.no_sync()), autocast:
+                loss = task.loss(model, batch) / accum
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        iters_since_log += 1
+
+        if iter_num % cfg.log_interval == 0:
+            if ddp.world_size > 1:  # log the global batch's loss, not just this rank's share
+                dist.all_reduce(loss_sum)
+                loss_sum /= ddp.world_size
+            lossf = loss_sum.item()  # the only host sync of a training step, once per log_interval
+            if not math.isfinite(lossf):
+                return report_divergence(iter_num - 1, log, ddp, raw_model, task, batch)
+            dt = (time.perf_counter() - t_last) / iters_since_log
+            t_last, iters_since_log = time.perf_counter(), 0
+            if ddp.master:
+                mfu = flops_per_iter / dt / peak
+                print(f"iter {iter_num}: loss {lossf:.4f}, lr {optimizer.param_groups[0]['lr']:.3g}, "
+                      f"{dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {100 * mfu:.1f}%")
+                log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"],
+                          ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=mfu)
+
+    if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
+        print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)
+    return 0
+
+
+def report_divergence(iteration: int, log: MetricsLog, ddp: Dist, model, task, batch=None) -> int:
+    block = find_blown_block(model, batch) if batch is not None else None
+    where = f" (activations first non-finite after block {block})" if block is not None else ""
+    if ddp.master:
+        print(f"diverged: non-finite loss by iteration {iteration}{where}; the last good checkpoint is kept",
+              file=sys.stderr)
+        log.write(kind="status", status="diverged", iter=iteration, block=block)
+    return EXIT_DIVERGED
+
+
+def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:
+    tokenizer = prepare_data.tokenizer_from_meta(meta)
+    start = torch.tensor([tokenizer.encode("\n")], device=device)
+    out = model.generate(start, n_tokens, temperature=0.8, top_k=200, generator=torch.Generator(device).manual_seed(0))
+    print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40)
+
+
+def main() -> None:
+    try:
+        code = train(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_CONFIG
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
