@@ -271,17 +271,18 @@ class GeodesicStep(nn.Module):
         self.b = nn.Parameter(torch.tensor(0.0))
 
     def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The applied angle theta' and the pieces the step needs (norms and unit tangent)."""
-        radius = x.norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        v = s - (x * s).sum(-1, keepdim=True) / radius.square() * x
-        v_norm = v.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+        """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
+        radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
+        dot = (x * s).sum(-1, keepdim=True)
+        v = torch.addcmul(s, x, -dot / radius.square())  # s - <x,s>/||x||^2 x, in one pass
+        v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
         theta = (v_norm / radius).clamp_max(self.clamp)
         theta = ((self.a * theta + self.b) * self.decay).clamp(-self.clamp, self.clamp)
-        return theta, radius, v / v_norm
+        return theta, radius, v, v_norm
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        theta, radius, unit_tangent = self.angle(x, s)
-        return torch.cos(theta) * x + radius * torch.sin(theta) * unit_tangent
+        theta, radius, v, v_norm = self.angle(x, s)
+        return torch.addcmul(torch.cos(theta) * x, v, radius * torch.sin(theta) / v_norm)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"

@@ -1,0 +1,193 @@
+"""
+Benchmark training steps: tokens/s and MFU per normalization scheme and per optimizer, with
+every ratio taken against a baseline measured in the same run (machines are noisy; cases are
+interleaved round by round so a slow patch hits all of them alike).
+
+    python bench.py                                  # CPU bench shape, all schemes and optimizers
+    python bench.py --shape 124m --compile           # GPT-2 small on a GPU, bf16
+    python bench.py --schemes pre,geonorm --optimizers none
+    python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
+
+MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
+the datasheet dense bf16 peak on a known GPU; on a CPU, a matmul peak measured by this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import optim
+from model import GPT, SCHEMES, GPTConfig
+from train import device_peak_flops
+
+SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
+    "cpu": (4, 4, 256, 256, 8, 96),  # SPEC §7's CPU reference shape (char vocabulary)
+    "small": (4, 4, 128, 128, 16, 80),  # configs/quickstart.py
+    "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
+}
+
+
+def model_config(shape: str, **changes) -> GPTConfig:
+    n_layer, n_head, n_embd, block_size, _, vocab = SHAPES[shape]
+    return GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab,
+                     bias=False, dropout=0.0, **changes)
+
+
+def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch, autocast) -> Callable[[], None]:
+    """One training step: forward, backward and (if given) the optimizer update."""
+    x, y = batch
+
+    def step() -> None:
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_interleaved(cases: dict[str, Callable[[], None]], device: str, steps: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call of each case, measured round-robin."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(steps):
+        for name, fn in cases.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_memory(fn: Callable[[], None], device: str) -> float:
+    if not device.startswith("cuda"):
+        return float("nan")
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+               if torch.is_tensor(t))
+
+
+def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_model: bool, batch, autocast):
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    optimizer = None
+    if opt_name is not None:
+        optimizer = optim.build_optimizer(model, opt_name, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                                          device_type=device.split(":")[0], matrix_lr=1e-3)
+    runner = torch.compile(model) if compile_model else model
+    return make_step(runner, optimizer, batch, autocast), model, optimizer
+
+
+def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch, autocast):
+    """karpathy/nanoGPT's GPT from its model.py, at the same shape, with torch's AdamW."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    n_layer, n_head, n_embd, block_size, _, vocab = SHAPES[shape]
+    torch.manual_seed(0)
+    model = module.GPT(module.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                                        vocab_size=vocab, bias=False, dropout=0.0)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
+    runner = torch.compile(model) if compile_model else model
+    return make_step(runner, optimizer, batch, autocast)
+
+
+def report(title: str, rows: list[dict], baseline: str) -> None:
+    base = next(r["seconds"] for r in rows if r["name"] == baseline)
+    print(f"\n{title} (ratios against {baseline}, measured in this run)\n")
+    print("| case | ms/step | x baseline | tokens/s | MFU | peak GiB | opt. state MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['seconds'] / base:.2f} | {r['tokens_per_s']:,.0f} "
+              f"| {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | {r['state_bytes'] / 2**20:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=SHAPES, default="cpu")
+    p.add_argument("--schemes", default="all", help="comma-separated norm_scheme names, 'all' or 'none'")
+    p.add_argument("--optimizers", default="all", help="comma-separated optimizer names, 'all' or 'none'")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--nanogpt", help="path to karpathy/nanoGPT's model.py, timed beside Pre-Norm")
+    args = p.parse_args()
+
+    device, shape = args.device, args.shape
+    dtype = args.dtype
+    if dtype == "auto":
+        native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype = "bfloat16" if native_bf16 else "float32"
+    torch_dtype = getattr(torch, dtype)
+    device_type = device.split(":")[0]
+    autocast = torch.autocast(device_type, dtype=torch_dtype) if dtype != "float32" else contextlib.nullcontext()
+    n_layer, n_head, n_embd, block_size, batch_size, vocab = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    batch = tuple(torch.randint(0, vocab, (batch_size, block_size), generator=g).to(device) for _ in range(2))
+    tokens = batch_size * block_size
+    peak = device_peak_flops(device, torch_dtype)
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or platform.machine()
+    print(f"nanoNorm bench, {datetime.date.today()}: {name}, torch {torch.__version__}, {dtype}, "
+          f"compile={args.compile}, shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), "
+          f"peak {peak / 1e12:.3g} TFLOP/s")
+
+    def measure(cases: dict, flops: dict, states: dict) -> list[dict]:
+        seconds = time_interleaved(cases, device, args.steps, args.warmup)
+        return [{"name": k, "seconds": s, "tokens_per_s": tokens / s, "mfu": flops[k] * tokens / s / peak,
+                 "peak_gib": peak_memory(cases[k], device), "state_bytes": states.get(k, 0)}
+                for k, s in seconds.items()]
+
+    def build_all(variants: dict[str, tuple[GPTConfig, str]]) -> tuple[dict, dict, dict]:
+        cases, flops, states = {}, {}, {}
+        for label, (config, opt_name) in variants.items():
+            step, model, opt = build_case(config, opt_name, device, args.compile, batch, autocast)
+            step()  # creates the optimizer state before it is counted
+            cases[label], flops[label], states[label] = step, model.flops_per_token(block_size), state_bytes(opt)
+        return cases, flops, states
+
+    schemes = list(SCHEMES) if args.schemes == "all" else [] if args.schemes == "none" else args.schemes.split(",")
+    if schemes or args.nanogpt:
+        variants = {s: (model_config(shape, norm_scheme=s), "adamw") for s in dict.fromkeys(["pre", *schemes])}
+        cases, flops, states = build_all(variants)
+        if args.nanogpt:
+            cases["nanoGPT (pre)"] = nanogpt_case(args.nanogpt, shape, device, args.compile, batch, autocast)
+            flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
+        report("Schemes, AdamW step", measure(cases, flops, states), "pre")
+    names = list(optim.OPTIMIZERS) if args.optimizers == "all" else [] if args.optimizers == "none" \
+        else args.optimizers.split(",")
+    if names:
+        variants = {name: (model_config(shape), name) for name in dict.fromkeys(["adamw", *names])}
+        report("Optimizers, Pre-Norm step", measure(*build_all(variants)), "adamw")
+
+if __name__ == "__main__":
+    main()
