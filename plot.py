@@ -1,0 +1,174 @@
+"""
+Plot train.py runs from their metrics.jsonl: one PNG, one curve per run, one panel per metric.
+
+    python plot.py out/cpu_pre out/cpu_geonorm                        # val_loss against iter -> runs.png
+    python plot.py out/sweep/* --metric loss,val_loss --smooth 5 --logy --out sweep.png
+    python plot.py out/cpu_lipschitz --metric block_rms              # one curve per block (one run)
+    python plot.py out/cpu_pre out/cpu_none --metric block_rms[-1]   # the last block's RMS of each run
+
+Metrics are the numeric keys of the log: `loss` (train lines, the loss of one batch), `train_loss`
+and `val_loss` (eval lines, averaged over eval_iters batches), task extras such as `val_xy_loss`, and
+lists such as `block_rms`: drawn per block for a single run, as their last element for several, or as
+`name[i]`. Each curve is labelled by the flags that differ between the runs (read from the config
+saved in out_dir/ckpt.pt), or by the out_dir's name when there is no checkpoint. A diverged run ends
+in an x at the iteration its status line gives.
+
+Importable: load_metrics(out_dir), run_config(out_dir), differing_flags(runs), draw(...), plot_runs(...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+
+# bookkeeping keys that differ between runs without changing what is trained
+IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
+
+
+def load_metrics(out_dir: str) -> list[dict]:
+    """The records of out_dir/metrics.jsonl ([] if there is none); a line cut off mid-write is skipped."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def run_config(out_dir: str) -> dict | None:
+    """The model and training settings saved in out_dir/ckpt.pt, model keys first; None without one."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return None
+    import torch
+
+    # mmap: only the two small dicts are read, not the weights and optimizer state
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {**ckpt.get("model_args", {}), **ckpt.get("config", {})}
+
+
+def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
+    """{run name: "key=value, ..."} over the keys whose values differ between the runs' configs.
+    A run without a config, or runs that differ in nothing, are labelled by their name's last part."""
+    configs = {name: cfg for name, cfg in runs.items() if cfg is not None}
+    keys = list(dict.fromkeys(k for cfg in configs.values() for k in cfg if k not in IGNORED_FLAGS))
+    differ = [k for k in keys if len({repr(cfg.get(k)) for cfg in configs.values()}) > 1]
+    labels = {}
+    for name, cfg in runs.items():
+        short = os.path.basename(os.path.normpath(name))
+        labels[name] = ", ".join(f"{k}={cfg.get(k)}" for k in differ) if cfg is not None and differ else short
+    return labels
+
+
+def diverged_at(records: list[dict]) -> int | None:
+    """The iteration of a run's "diverged" status line, if it has one."""
+    return next((r["iter"] for r in records if r.get("kind") == "status" and r.get("status") == "diverged"), None)
+
+
+def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[str, tuple[list, list]]:
+    """{curve name: (xs, ys)} of one run: a single curve "" for a number, one per block for a list."""
+    match = re.fullmatch(r"(\w+)(?:\[(-?\d+)\])?", metric)
+    if match is None:
+        raise SystemExit(f"error: cannot read metric {metric!r}; write a key such as val_loss or block_rms[-1]")
+    name, index = match.groups()
+    out: dict[str, tuple[list, list]] = {}
+    for r in records:
+        if r.get("kind") == "status" or name not in r or not isinstance(r.get(x), (int, float)):
+            continue
+        value = r[name]
+        if isinstance(value, list) and index is None and per_block:
+            points = {f"block {i}": v for i, v in enumerate(value)}
+        elif isinstance(value, list):
+            points = {"": value[int(index or -1)]}
+        else:
+            points = {"": value}
+        for key, v in points.items():
+            if isinstance(v, (int, float)):
+                out.setdefault(key, ([], []))[0].append(r[x])
+                out[key][1].append(v)
+    return out
+
+
+def smooth(ys: list[float], n: int) -> list[float]:
+    """Trailing moving average over n points (fewer at the start)."""
+    return [sum(ys[max(0, i - n + 1): i + 1]) / (i + 1 - max(0, i - n + 1)) for i in range(len(ys))]
+
+
+def draw_panel(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: str, x: str, smooth_n: int) -> int:
+    """Draw one metric of every run on ax; returns the number of curves drawn."""
+    drawn = 0
+    for i, (d, records) in enumerate(runs.items()):
+        stop = diverged_at(records)
+        for j, (part, (xs, ys)) in enumerate(curves(records, metric, x, per_block=len(runs) == 1).items()):
+            ys = smooth(ys, smooth_n) if smooth_n > 1 else ys
+            color = f"C{(j if part else i) % 10}"
+            marker = "o" if len(xs) < 30 else None  # a short curve's points, even a single one, show
+            ax.plot(xs, ys, color=color, label=part or labels[d], linewidth=1.5, marker=marker, markersize=3)
+            if stop is not None:
+                ax.plot(stop if x == "iter" else xs[-1], ys[-1], "x", color=color, markersize=10, mew=2)
+            drawn += 1
+    return drawn
+
+
+def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = False, smooth_n: int = 1):
+    """A matplotlib Figure with one panel per metric and one curve per run (or per block)."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, rendered by Agg on save
+
+    runs = {d: load_metrics(d) for d in out_dirs}
+    for d, records in runs.items():
+        if not records:
+            raise SystemExit(f"error: {d} has no metrics.jsonl; pass the out_dir of a train.py run")
+    labels = differing_flags({d: run_config(d) for d in out_dirs})
+    ncols = min(len(metrics), 3)
+    nrows = math.ceil(len(metrics) / ncols)
+    fig = Figure(figsize=(5.5 * ncols, 3.8 * nrows), layout="constrained")
+    for k, metric in enumerate(metrics):
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        if not draw_panel(ax, runs, labels, metric, x, smooth_n):
+            logged = sorted({key for records in runs.values() for r in records if r.get("kind") != "status"
+                             for key, v in r.items() if isinstance(v, (int, float, list)) and key != "iter"})
+            raise SystemExit(f"error: no run logged '{metric}' against '{x}'; logged: {', '.join(logged)}")
+        ax.set(xlabel=x, ylabel=metric, title=metric if len(runs) > 1 else f"{metric}: {labels[out_dirs[0]]}")
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if any(diverged_at(records) is not None for records in runs.values()):
+        fig.suptitle("x: where the run diverged (its status line)", fontsize="small")
+    return fig
+
+
+def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png", x: str = "iter",
+              logy: bool = False, smooth_n: int = 1) -> str:
+    """Draw the runs' metrics into a PNG at out_path and return the path."""
+    fig = draw(out_dirs, metrics, x=x, logy=logy, smooth_n=smooth_n)
+    if os.path.dirname(out_path):
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dirs", nargs="+", help="train.py out_dirs (each with a metrics.jsonl)")
+    parser.add_argument("--metric", default="val_loss", help="comma-separated: loss, val_loss, block_rms[-1], ...")
+    parser.add_argument("--x", default="iter", help="the key on the x axis (default: iter)")
+    parser.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
+    parser.add_argument("--logy", action="store_true", help="logarithmic y axis")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
+    args = parser.parse_args(argv)
+    args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    path = plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
