@@ -10,21 +10,38 @@ Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
 A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it. Every key is
 a field of `TrainConfig` below or of `model.GPTConfig`; anything else stops with a message.
 
-Reproducibility: the batch a micro-step sees depends only on (seed, iteration, global
-micro-batch index), and dropout's RNG is re-seeded from (seed, iteration, rank) at every step,
-so a resumed run continues exactly and 2 ranks x 1 micro-batch train like 1 rank x 2.
+Reproducibility: micro-batch k of iteration i (k counts over all ranks) sees data and dropout
+masks that depend only on (seed, i, k): its window is drawn from that seed and the global RNG is
+re-seeded from it before its forward. A checkpoint holds the model, the optimizer state (every
+optimizer here keeps its full state on rank 0), the GradScaler and the iteration, so a run
+killed at any moment and resumed with --init_from=resume continues bitwise as if never stopped.
+Resuming with another number of processes also sees the same batches and masks; only float
+summation order changes (gradients summed by all-reduce instead of accumulated locally, and the
+logged loss likewise), so losses then agree to rounding (~1e-6 relative), not bitwise. On
+resume the config's hyperparameters (learning rate, weight decay, ...) apply; the architecture
+is the checkpoint's and may not be changed, except dropout.
 
-Exit codes: 0 done, 1 crash (an uncaught error), 2 bad config or input, 3 diverged
-(a non-finite loss; metrics.jsonl then ends with {"status": "diverged", "iter": ...}).
+Exit codes: 0 done, 1 crash (an uncaught error), 2 bad config or input, 3 diverged: a
+non-finite loss or parameter; metrics.jsonl then ends with {"kind": "status", "status":
+"diverged", "iter": N, ...} and the last checkpoint, written from finite state only, is kept.
+Every rank reaches that verdict from all-reduced values, so all stop together (torchrun itself
+then exits 1 and names exit code 3 as the root cause). The step loop has no extra host sync: the
+first non-finite iteration is kept on the device and read at log and eval iterations.
+
+Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
+and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
+(GeoNorm's theta' per layer). Each costs one extra forward (and backward) per evaluation.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import json
 import math
 import os
+import pickle
 import sys
 import time
 import types
@@ -38,10 +55,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GPTConfig, block_activation_rms
+from model import GPT, GeodesicStep, GPTConfig, block_activation_rms
 
 EXIT_CONFIG, EXIT_DIVERGED = 2, 3
 CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
+TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
+NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
+GRAD_HIST_LOG10_EDGES = list(range(-12, 1))  # |g| histogram: <1e-12, [1e-12, 1e-11), ..., >=1
 
 
 @dataclass
@@ -61,6 +81,9 @@ class TrainConfig:
     wandb_log: bool = False
     wandb_project: str = "nanonorm"
     wandb_run_name: str = "run"
+    # diagnostics written to the eval lines of metrics.jsonl (each costs one extra pass per eval)
+    log_grad_stats: bool = False  # per-parameter gradient norms and the tail of |g| (DNT Fig. 1)
+    log_geonorm_angles: bool = False  # GeoNorm's applied angle theta' per residual update
     # data
     task: str = "lm"  # "lm" (next-token prediction) or "icl" (seed 004's least-squares task)
     dataset: str = "shakespeare_char"
@@ -172,6 +195,7 @@ def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
     train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
     model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
     check_train_config(train)
+    check_model_args(train, model_args)
     return train, model_args
 
 
@@ -185,9 +209,37 @@ def check_train_config(cfg: TrainConfig) -> None:
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
-    for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"):
+    for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                "icl_pairs", "icl_dim", "icl_eval_batches"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "keep_every", "sample_tokens", "grad_clip",
+                "min_lr", "weight_decay"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
+    if not cfg.learning_rate > 0:  # the schedule divides by it
+        raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
+
+
+def check_model_args(cfg: TrainConfig, model_args: dict) -> None:
+    """Model values, checked before any data is read or process started."""
+    try:
+        config = GPTConfig(**model_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= config.dropout < 1:
+        raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
+    block_size = model_args.get("block_size")
+    if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
+        raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "
+                          f"(2 * icl_pairs = {2 * cfg.icl_pairs} tokens); raise --block_size or lower --icl_pairs")
+
+
+def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
+                          f"the number of processes ({world_size}); it is the global count, split among them")
+    return cfg.gradient_accumulation_steps // world_size
 
 
 # ----------------------------------------------------------------------------- system
@@ -221,6 +273,13 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
     return ddp, device
 
 
+def all_ranks(t: torch.Tensor, ddp: Dist, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce in place (a no-op on one process), so every rank acts on the same value."""
+    if ddp.world_size > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
 def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:
     if cfg.dtype != "auto":
         return getattr(torch, cfg.dtype)
@@ -241,7 +300,7 @@ class TextData:
     """Random windows of a tokenized dataset; window k of iteration i is a pure function of
     (seed, split, i, k), never of which rank draws it."""
 
-    SPLITS = {"train": 0, "val": 1}
+    SPLITS = {"train": TRAIN_STREAM, "val": VAL_STREAM}
 
     def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
         path = os.path.join(cfg.data_dir, cfg.dataset)
@@ -249,7 +308,8 @@ class TextData:
             if master:  # the embedded corpus is small and needs no network: make it now
                 print(f"preparing the embedded dataset {cfg.dataset} in {path} ...")
                 tokenizer = "char" if cfg.dataset.endswith("_char") else "gpt2"
-                prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=cfg.data_dir)
+                with contextlib.suppress(FileExistsError):  # a run started alongside made it meanwhile
+                    prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=cfg.data_dir)
             if dist.is_initialized():
                 dist.barrier()
         try:
@@ -312,17 +372,38 @@ def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool):
     return LanguageModelTask(cfg, model_args, device, master)
 
 
+def model_inputs(batch) -> torch.Tensor:
+    return batch[0] if isinstance(batch, tuple) else batch.tokens
+
+
+def val_inputs(task) -> torch.Tensor:
+    """The inputs of the first val batch: the fixed batch of the per-block diagnostics."""
+    return model_inputs(next(iter(task.eval_batches("val", Dist()))))
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
 def save_checkpoint(path: str, state: dict) -> None:
-    """Write atomically: a crash mid-save leaves the previous file intact."""
+    """Write atomically (temp file, fsync, rename, fsync of the folder): a crash at any moment
+    leaves the previous file or the new one under `path`, and at most a stale `path`.tmp."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: str, device: str) -> dict:
@@ -331,13 +412,43 @@ def load_checkpoint(path: str, device: str) -> dict:
                           "train with init_from='scratch' first or fix --out_dir")
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, unreadable file
-        raise ConfigError(f"checkpoint {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); it may be "
-                          "truncated or not a nanoNorm checkpoint. Nothing was changed; "
-                          "restore it or start a new run with another --out_dir") from None
+    except Exception as e:  # a truncated zip, a text file, a pickle of other objects, ...
+        why = ("weights-only loading refused its contents" if isinstance(e, pickle.UnpicklingError)  # long, off-topic
+               else f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+        raise ConfigError(f"checkpoint {path} cannot be read ({why}); it may be truncated, or not a nanoNorm "
+                          "checkpoint. Nothing was changed; restore it or start a new run with another --out_dir"
+                          ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a nanoNorm checkpoint (no '{CHECKPOINT_FORMAT}' marker); nothing was changed")
     return state
+
+
+def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict) -> dict:
+    """The checkpoint's architecture, after checking that this run's settings fit it."""
+    saved, old = checkpoint["model_args"], checkpoint["config"]
+    if old["optimizer"] != cfg.optimizer:
+        raise ConfigError(f"the checkpoint was trained with optimizer={old['optimizer']!r}, this run asks for "
+                          f"{cfg.optimizer!r}; its optimizer state would not fit. Pass --optimizer={old['optimizer']}")
+    wanted = {**task.model_defaults, **model_args}
+    clash = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items()
+             if k != "dropout" and saved.get(k) != v]
+    if clash:
+        raise ConfigError(f"cannot resume: the checkpoint's model has {', '.join(clash)}. A resumed run keeps the "
+                          "checkpoint's model and data layout (only dropout may change); drop those settings "
+                          "or start a new run with another --out_dir")
+    return {**saved, **{k: v for k, v in model_args.items() if k == "dropout"}}
+
+
+def nonfinite_state(model: GPT, optimizer) -> list[str]:
+    """Names of parameters (and optimizer states) holding a NaN or inf; [] when all is finite."""
+    tensors = dict(model.named_parameters())
+    names = {p: n for n, p in tensors.items()}
+    for p, state in optimizer.state.items():
+        tensors.update({f"{names.get(p, '?')} ({k})": t for k, t in state.items()
+                        if torch.is_tensor(t) and t.is_floating_point()})
+    device = next(model.parameters()).device
+    finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()]).tolist()
+    return [name for name, ok in zip(tensors, finite, strict=True) if not ok]
 
 
 # ----------------------------------------------------------------------------- schedule and logging
@@ -357,21 +468,29 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object per line; on resume, lines past the checkpoint are dropped."""
+    """metrics.jsonl: one JSON object per line. A fresh run starts it anew, a resumed run drops the
+    lines past its checkpoint (and a line cut short by a kill), an eval-only run appends."""
 
-    def __init__(self, out_dir: str, resume_iter: int | None, enabled: bool, wandb_run=None):
+    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, append: bool = False,
+                 wandb_run=None):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, wandb_run
-        if enabled and resume_iter is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if self._before_resume(json.loads(line), resume_iter)]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
-        elif enabled and os.path.exists(self.path):
+        if not enabled or append or not os.path.exists(self.path):
+            return
+        if resume_iter is None:
             os.remove(self.path)
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if self._before_resume(line, resume_iter)]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
 
     @staticmethod
-    def _before_resume(record: dict, resume_iter: int) -> bool:
+    def _before_resume(line: str, resume_iter: int) -> bool:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False  # cut short by a kill mid-write
         # the resumed run re-logs the evaluation at resume_iter and everything after it
         it = record.get("iter", 0)
         return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
@@ -385,8 +504,9 @@ class MetricsLog:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))
 
 
-def device_peak_flops(device: str, dtype: torch.dtype) -> float:
-    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, a matmul peak measured now."""
+def device_peak_flops(device: str) -> float:
+    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, the float32 matmul peak measured now
+    (half precision on most CPUs is emulated: seconds per 1024^2 matmul, and no real peak)."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(device)
         table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -394,7 +514,7 @@ def device_peak_flops(device: str, dtype: torch.dtype) -> float:
         return next((v for k, v in table.items() if k in name), float("nan"))
     if device != "cpu":
         return float("nan")
-    a = torch.randn(1024, 1024, dtype=dtype)
+    a = torch.randn(1024, 1024)
     a @ a  # warm-up
     best = float("inf")
     for _ in range(4):  # the fastest of a few repeats: the least disturbed by other processes
@@ -404,6 +524,56 @@ def device_peak_flops(device: str, dtype: torch.dtype) -> float:
     return 2 * 1024**3 / best
 
 
+# ----------------------------------------------------------------------------- diagnostics
+
+
+@torch.no_grad()
+def gradient_statistics(model: GPT, grad_scale: float = 1.0) -> dict:
+    """Per-parameter gradient norms and the tail of |g| over all entries (DNT Fig. 1): kurtosis
+    (3 for a Gaussian), the 99.9th percentile over the median (inf if most entries are 0), a
+    log10-spaced histogram. Needs two float32 copies of the gradients, briefly."""
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    norms = (torch.stack([t.float().norm() for t in grads.values()]) / grad_scale).tolist()
+    g = torch.cat([t.flatten().float() for t in grads.values()]).div_(grad_scale)
+    centered = g - g.mean()
+    variance = centered.square_().mean()
+    kurtosis = centered.square_().mean() / variance.square()  # E[(g - mean)^4] / Var^2
+    del centered
+    a = g.abs_()
+    median, q999 = (a.kthvalue(max(1, math.ceil(q * a.numel()))).values for q in (0.5, 0.999))
+    below = [int((a < 10.0**e).sum()) for e in GRAD_HIST_LOG10_EDGES]
+    hist = [hi - lo for lo, hi in zip([0, *below], [*below, a.numel()], strict=True)]
+    return {"grad_norms": dict(zip(grads, norms, strict=True)), "grad_kurtosis": kurtosis.item(),
+            "grad_tail_ratio": (q999 / median).item(), "grad_abs_hist": hist,
+            "grad_abs_hist_log10_edges": GRAD_HIST_LOG10_EDGES}
+
+
+@torch.no_grad()
+def geonorm_angles(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
+    """GeoNorm's applied angle theta' (seed 000 eq. 5) of each residual update on one batch, mean
+    and max over tokens: geonorm_theta_{attn,mlp}_{mean,max}, one value per layer."""
+    stats: dict[str, list] = {f"geonorm_theta_{u}_{s}": [] for u in ("attn", "mlp") for s in ("mean", "max")}
+
+    def hook(name: str):
+        def record(step: GeodesicStep, args: tuple, output: torch.Tensor) -> None:
+            theta = step.angle(*args)[0].float()
+            stats[f"geonorm_theta_{name}_mean"].append(theta.mean())
+            stats[f"geonorm_theta_{name}_max"].append(theta.max())
+        return record
+
+    hooks = [getattr(block, u).combine.register_forward_hook(hook(u))
+             for block in model.blocks for u in ("attn", "mlp")]
+    training = model.training
+    model.eval()
+    try:
+        model(inputs)
+    finally:
+        model.train(training)
+        for h in hooks:
+            h.remove()
+    return {k: torch.stack(v).tolist() for k, v in stats.items()}
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -411,13 +581,16 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
     import optim
 
     if checkpoint is not None:
-        model_args = checkpoint["model_args"]
+        model_args = resume_model_args(cfg, model_args, task, checkpoint)
     else:
         model_args = {**task.model_defaults, **model_args}
     try:
         gptconf = GPTConfig(**model_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.log_geonorm_angles and gptconf.scheme.combine != "geodesic":
+        raise ConfigError(f"log_geonorm_angles needs GeoNorm's geodesic step (norm_scheme='geonorm' or "
+                          f"combine='geodesic'); this model combines by {gptconf.scheme.combine!r}")
     torch.manual_seed(cfg.seed)  # the same init on every rank
     model = GPT(gptconf).to(device)
     if checkpoint is not None:
@@ -429,8 +602,27 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
         msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
     if checkpoint is not None:
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(checkpoint["optimizer"])
+        for group, fresh in zip(optimizer.param_groups, settings, strict=True):
+            group.update(fresh)  # the config's hyperparameters win over the checkpoint's
     return gptconf, model, optimizer
+
+
+def forward_backward(model, task, ddp: Dist, accum: int, it: int, scaler, autocast, seed: int) -> torch.Tensor:
+    """Accumulate the gradients of iteration `it` over this rank's micro-batches; returns its mean loss.
+    Global micro-batch k sees the data and dropout masks of (seed, it, k), whatever the world size."""
+    loss_sum = None
+    for micro in range(accum):
+        k = ddp.rank * accum + micro
+        torch.manual_seed(stream_seed(seed, DROPOUT_STREAM, it, k))
+        batch = task.train_batch(it, k)
+        sync = micro == accum - 1 or ddp.world_size == 1
+        with (nullcontext() if sync else model.no_sync()), autocast:
+            loss = task.loss(model, batch) / accum
+        scaler.scale(loss).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    return loss_sum
 
 
 @torch.no_grad()
@@ -443,32 +635,51 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
         for batch in task.eval_batches(split, ddp):
             with autocast:
                 total += torch.stack([task.loss(model, batch).float(), torch.ones((), device=total.device)])
-        if ddp.world_size > 1:
-            dist.all_reduce(total)
+        all_ranks(total, ddp)
         out[f"{split}_loss"] = (total[0] / total[1]).item()
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
     # residual-stream RMS after each block on one val batch (seed 004 Fig. 3)
-    batch = next(iter(task.eval_batches("val", Dist())))
-    out["block_rms"] = block_activation_rms(raw_model, batch[0] if isinstance(batch, tuple) else batch.tokens)
+    out["block_rms"] = block_activation_rms(raw_model, val_inputs(task))
     model.train()
     return out
 
 
-def find_blown_block(model, batch) -> int | None:
-    """The first block whose output is not finite on this batch, if any."""
-    inputs = batch[0] if isinstance(batch, tuple) else batch.tokens
-    rms = block_activation_rms(model, inputs)
-    return next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
+def first_nonfinite_iter(first_bad: torch.Tensor, ddp: Dist) -> int | None:
+    """The earliest iteration, over all ranks, whose training loss was not finite (one host sync)."""
+    it = int(all_ranks(first_bad, ddp, dist.ReduceOp.MIN).item())
+    return None if it == NEVER else it
+
+
+def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
+                      inputs: torch.Tensor) -> int:
+    """Say where the run blew up: the non-finite parameters, or, while they are all still finite, the
+    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports."""
+    if ddp.master:
+        bad = nonfinite_state(model, optimizer)
+        if bad:  # one non-finite loss reaches every weight through the backward and the step
+            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+            block, where = None, f"; non-finite: {', '.join(bad[:4])}{more}"
+        else:
+            training = model.training
+            model.eval()
+            rms = block_activation_rms(model, inputs)
+            model.train(training)
+            block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
+            where = f"; activations first non-finite after block {block}" if block is not None else ""
+        print(f"diverged at iter {iteration}: {reason}{where}. Stopped; the last checkpoint, written from "
+              "finite state, is kept", file=sys.stderr)
+        log.write(kind="status", status="diverged", iter=iteration, reason=reason, block=block,
+                  nonfinite=bad[:8], n_nonfinite=len(bad))
+    if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
+        dist.barrier()
+    return EXIT_DIVERGED
 
 
 def train(argv: list[str]) -> int:
     cfg, model_args = load_config(argv)
     ddp, device = setup_distributed(cfg)
-    if cfg.gradient_accumulation_steps % ddp.world_size:
-        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
-                          f"the number of processes ({ddp.world_size})")
-    accum = cfg.gradient_accumulation_steps // ddp.world_size
+    accum = accumulation_per_rank(cfg, ddp.world_size)
     if ddp.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
@@ -483,27 +694,32 @@ def train(argv: list[str]) -> int:
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-    if checkpoint is not None and "scaler" in checkpoint:
+    if checkpoint is not None and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     if cfg.compile:
         model = torch.compile(model)
     if ddp.world_size > 1:
         model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None)
 
-    iter_num = checkpoint["iter_num"] if checkpoint else 0
+    start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
     best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
     wandb_run = None
     if cfg.wandb_log and ddp.master:
         import wandb
 
         wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
-    log = MetricsLog(cfg.out_dir, iter_num if checkpoint else None, ddp.master, wandb_run)
+    log = MetricsLog(cfg.out_dir, ddp.master, iter_num if checkpoint else None, cfg.eval_only, wandb_run)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
-    peak = device_peak_flops(device, dtype) * ddp.world_size
+    peak = device_peak_flops(device) * ddp.world_size
     if ddp.master:
         print(f"{gptconf.norm_scheme} / {gptconf.norm}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
               f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
+        if checkpoint:
+            changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
+                       if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
+            print(f"resuming at iter {iter_num} (saved by {checkpoint['world_size']} process(es))"
+                  + (f"; changed: {', '.join(changed)}" if changed else ""))
 
     def checkpoint_state() -> dict:
         return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -511,22 +727,36 @@ def train(argv: list[str]) -> int:
                 "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
                 **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
 
+    # the first iteration with a non-finite training loss, kept on the device: no sync per step
+    first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
     t_last, iters_since_log = time.perf_counter(), 0
     while True:
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
             metrics = evaluate(model, raw_model, task, ddp, autocast)
-            if not all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)):
-                return report_divergence(iter_num, log, ddp, raw_model, task)
+            # never save a checkpoint from non-finite state; all ranks agree
+            finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())  # the model's own
+            if all_ranks(torch.tensor(float(not finite or bool(nonfinite_state(raw_model, optimizer))),
+                                      device=device), ddp).item():
+                return report_divergence(log, ddp, iter_num, "non-finite eval loss or state", raw_model, optimizer,
+                                         val_inputs(task))
+            if cfg.log_geonorm_angles:
+                metrics.update(geonorm_angles(raw_model, val_inputs(task)))
+            if cfg.log_grad_stats:  # the gradients this iteration's step will apply (same batches and masks)
+                forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
+                if ddp.master:
+                    metrics.update(gradient_statistics(raw_model, scaler.get_scale() if scaler.is_enabled() else 1.0))
+                optimizer.zero_grad(set_to_none=True)
             if ddp.master:
                 print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                        if isinstance(v, float)))
-                log.write(kind="eval", iter=iter_num, **metrics)
                 improved = metrics["val_loss"] < best_val
                 best_val = min(best_val, metrics["val_loss"])
-                if iter_num > 0 and not cfg.eval_only and (cfg.always_save_checkpoint or improved):
-                    save_checkpoint(ckpt_path, checkpoint_state())
+                if iter_num > start_iter and not cfg.eval_only and (cfg.always_save_checkpoint or improved):
+                    state = checkpoint_state()
+                    save_checkpoint(ckpt_path, state)
                     if cfg.keep_every and iter_num % cfg.keep_every == 0:
-                        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iter_num}.pt"), checkpoint_state())
+                        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iter_num}.pt"), state)
+                log.write(kind="eval", iter=iter_num, **metrics)  # after the save: a logged eval has its checkpoint
             t_last = time.perf_counter()  # evaluation time is not training time
         if iter_num >= cfg.max_iters or cfg.eval_only:
             break
@@ -534,15 +764,8 @@ def train(argv: list[str]) -> int:
         mult = lr_multiplier(cfg, iter_num)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * mult
-        torch.manual_seed(stream_seed(cfg.seed, iter_num, ddp.rank, 7))  # dropout masks
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            batch = task.train_batch(iter_num, ddp.rank * accum + micro)
-            sync = micro == accum - 1 or ddp.world_size == 1
-            with (nullcontext() if sync else model.no_sync()), autocast:
-                loss = task.loss(model, batch) / accum
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+        loss_sum = forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
+        first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
         if cfg.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -552,13 +775,14 @@ def train(argv: list[str]) -> int:
         iter_num += 1
         iters_since_log += 1
 
-        if iter_num % cfg.log_interval == 0:
-            if ddp.world_size > 1:  # log the global batch's loss, not just this rank's share
-                dist.all_reduce(loss_sum)
-                loss_sum /= ddp.world_size
-            lossf = loss_sum.item()  # the only host sync of a training step, once per log_interval
-            if not math.isfinite(lossf):
-                return report_divergence(iter_num - 1, log, ddp, raw_model, task, batch)
+        log_now = iter_num % cfg.log_interval == 0
+        if log_now or iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # before any log or save
+            bad_iter = first_nonfinite_iter(first_bad, ddp)  # the same on every rank, so all stop together
+            if bad_iter is not None:
+                return report_divergence(log, ddp, bad_iter + 1, "non-finite training loss", raw_model, optimizer,
+                                         model_inputs(task.train_batch(bad_iter, 0)))
+        if log_now:
+            lossf = (all_ranks(loss_sum, ddp) / ddp.world_size).item()  # the global batch's loss
             dt = (time.perf_counter() - t_last) / iters_since_log
             t_last, iters_since_log = time.perf_counter(), 0
             if ddp.master:
@@ -571,16 +795,6 @@ def train(argv: list[str]) -> int:
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)
     return 0
-
-
-def report_divergence(iteration: int, log: MetricsLog, ddp: Dist, model, task, batch=None) -> int:
-    block = find_blown_block(model, batch) if batch is not None else None
-    where = f" (activations first non-finite after block {block})" if block is not None else ""
-    if ddp.master:
-        print(f"diverged: non-finite loss by iteration {iteration}{where}; the last good checkpoint is kept",
-              file=sys.stderr)
-        log.write(kind="status", status="diverged", iter=iteration, block=block)
-    return EXIT_DIVERGED
 
 
 def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:

@@ -1,0 +1,370 @@
+"""Crashes, bad checkpoints and divergence: a killed run resumes bitwise, a failed save or an
+unreadable file changes nothing, a diverging run stops with exit code 3 on every rank."""
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, tiny_run_args
+
+import optim
+import train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and so do the subprocesses (OMP_NUM_THREADS=1): a second
+    thread only spins against other work on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(out_dir: str) -> dict[tuple[str, int], float]:
+    """Every logged loss of a run, keyed by (name, iter)."""
+    return {(k, r["iter"]): v for r in read_metrics(out_dir) if r["kind"] != "status"
+            for k, v in r.items() if k.endswith("loss")}
+
+
+def load(out_dir: str, name: str = "ckpt.pt") -> dict:
+    return torch.load(os.path.join(out_dir, name), weights_only=True)
+
+
+def assert_same_tensors(a, b) -> None:
+    """Nested dicts/lists of tensors and numbers are bitwise equal."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_tensors(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+# ----------------------------------------------------------------------------- exact resume in-process
+
+
+@pytest.mark.parametrize("optimizer, extra", [(name, {}) for name in optim.OPTIMIZERS]
+                         + [("adamw", {"dtype": "float16", "max_iters": 6})])
+def test_resume_is_bitwise_for_every_optimizer(data_dir, tmp_path, optimizer, extra):
+    """4 + 4 iterations (3 + 3 in float16, slow on a CPU) equal 8 straight; dropout 0.1 checks the RNG
+    streams, float16 the GradScaler's growth tracker. Exact: the same float ops in the same order."""
+    total = extra.get("max_iters", 8)
+    args = dict(optimizer=optimizer, dropout=0.1, eval_interval=total // 2, **{**extra, "max_iters": total})
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert train.train(tiny_run_args(data_dir, full, **args)) == 0
+    assert train.train(tiny_run_args(data_dir, part, **{**args, "max_iters": total // 2})) == 0
+    assert train.train(tiny_run_args(data_dir, part, **args, init_from="resume")) == 0
+    assert losses(part) == losses(full)
+    a, b = load(full), load(part)
+    for key in ("model", "optimizer", "scaler", "iter_num"):
+        assert_same_tensors(a[key], b[key])
+
+
+def test_resume_takes_the_new_learning_rate(data_dir, tmp_path):
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4, decay_lr=False)) == 0
+    assert train.train(tiny_run_args(data_dir, out, max_iters=6, decay_lr=False, learning_rate=2e-4,
+                                     init_from="resume")) == 0
+    lrs = {r["iter"]: r["lr"] for r in read_metrics(out) if r["kind"] == "train"}
+    assert lrs[4] == 1e-3 and lrs[5] == lrs[6] == 2e-4
+
+
+# ----------------------------------------------------------------------------- kill and resume
+
+
+def launch(nproc: int, args: list[str], log_path: str) -> subprocess.Popen:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, *launcher, "train.py", *args], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                start_new_session=True)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_everything(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker at once, like a machine losing power."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def wait_for_train_iter(out_dir: str, proc: subprocess.Popen, log_path: str, iteration: int) -> None:
+    path, deadline = os.path.join(out_dir, "metrics.jsonl"), time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, read(log_path)
+        if os.path.exists(path):
+            with open(path) as f:
+                if any(f'"kind": "train", "iter": {iteration},' in line for line in f):
+                    return
+        time.sleep(0.02)
+    raise AssertionError(f"no train line for iter {iteration} in time:\n{read(log_path)}")
+
+
+def finish(procs: list[tuple[subprocess.Popen, str]]) -> None:
+    for proc, log_path in procs:
+        assert proc.wait(timeout=300) == 0, read(log_path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+@pytest.mark.parametrize("optimizer, nproc, delay", [("adamw", 1, 0.0), ("manifold_muon", 1, 0.15),
+                                                     ("adamw", 2, 0.0), ("manifold_muon", 2, 0.15)])
+def test_killed_run_resumes_exactly(data_dir, tmp_path, optimizer, nproc, delay):
+    """SIGKILL a run somewhere after its first checkpoint (iter 4; where exactly depends on timing),
+    resume it, and compare with an uninterrupted run to 6 iterations past the checkpoint: every loss
+    and the final state are bitwise equal on the CPU, whatever iteration the kill landed on.
+    Two processes: resuming the killed run on one process (same global batch) agrees to 1e-5."""
+    killed, straight, one = (str(tmp_path / name) for name in ("killed", "straight", "one"))
+    settings = dict(optimizer=optimizer, dropout=0.1, gradient_accumulation_steps=2, lr_decay_iters=40,
+                    eval_interval=4)
+    proc = launch(nproc, tiny_run_args(data_dir, killed, max_iters=10**6, **settings), f"{killed}.log")
+    try:
+        wait_for_train_iter(killed, proc, f"{killed}.log", 5)
+        time.sleep(delay)  # vary where the kill lands: mid-step, mid-eval or mid-save
+    finally:
+        kill_everything(proc)
+    resume_iter = load(killed)["iter_num"]
+    assert resume_iter >= 4 and resume_iter % 4 == 0
+    end = resume_iter + 6
+    if nproc > 1:
+        shutil.copytree(killed, one)
+    runs = [(launch(nproc, tiny_run_args(data_dir, straight, max_iters=end, **settings), f"{straight}.log"),
+             f"{straight}.log"),
+            (launch(nproc, tiny_run_args(data_dir, killed, max_iters=end, init_from="resume", **settings),
+                    f"{killed}.resumed.log"), f"{killed}.resumed.log")]
+    if nproc > 1:
+        runs.append((launch(1, tiny_run_args(data_dir, one, max_iters=end, init_from="resume", **settings),
+                            f"{one}.log"), f"{one}.log"))
+    finish(runs)
+    expected = losses(straight)
+    assert ("loss", end) in expected and losses(killed) == expected
+    a, b = load(straight), load(killed)
+    for key in ("model", "optimizer"):
+        assert_same_tensors(a[key], b[key])
+    if nproc > 1:  # same batches and dropout masks; only float summation order differs
+        after = {k: v for k, v in losses(one).items() if k[1] > resume_iter}
+        assert after.keys() == {k for k in expected if k[1] > resume_iter}
+        assert after == pytest.approx({k: expected[k] for k in after}, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints on disk
+
+
+def test_failed_save_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4)) == 0
+    before = (tmp_path / "run" / "ckpt.pt").read_bytes()
+
+    def save_half_then_fail(obj, f, *args, **kwargs):
+        f.write(before[: len(before) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume"))
+    monkeypatch.undo()
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "metrics.jsonl"]  # no stray temp file
+    assert train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
+
+
+def test_keep_every_keeps_numbered_checkpoints(data_dir, tmp_path):
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=12, eval_interval=4, keep_every=8)) == 0
+    assert sorted(f for f in os.listdir(out) if f.endswith(".pt")) == ["ckpt.pt", "ckpt_8.pt"]
+    assert load(out, "ckpt_8.pt")["iter_num"] == 8 and load(out)["iter_num"] == 12
+
+
+def write_truncated(path, good: bytes) -> None:
+    path.write_bytes(good[: len(good) // 3])
+
+
+def write_text(path, good: bytes) -> None:
+    path.write_text("iter 4: loss 3.2\n")
+
+
+def write_foreign_pickle(path, good: bytes) -> None:
+    path.write_bytes(pickle.dumps(ValueError("not a checkpoint"), protocol=2))
+
+
+def write_tensor(path, good: bytes) -> None:
+    torch.save(torch.zeros(3), path)
+
+
+def write_unmarked_dict(path, good: bytes) -> None:
+    torch.save({"model": {}, "iter_num": 4}, path)
+
+
+@pytest.mark.parametrize("write, message", [
+    (write_truncated, "cannot be read .*truncated, or not a nanoNorm checkpoint. Nothing was changed"),
+    (write_text, "cannot be read .*truncated, or not a nanoNorm checkpoint. Nothing was changed"),
+    (write_foreign_pickle, r"cannot be read \(weights-only loading refused its contents\); it may be truncated, "
+                           "or not a nanoNorm checkpoint. Nothing was changed"),
+    (write_tensor, "is not a nanoNorm checkpoint .*nothing was changed"),
+    (write_unmarked_dict, "is not a nanoNorm checkpoint .*nothing was changed"),
+])
+def test_unreadable_checkpoint_is_refused_and_left_alone(data_dir, tmp_path, write, message):
+    out = tmp_path / "run"
+    assert train.train(tiny_run_args(data_dir, str(out), max_iters=4)) == 0
+    write(out / "ckpt.pt", (out / "ckpt.pt").read_bytes())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(train.ConfigError, match=message):
+        train.train(tiny_run_args(data_dir, str(out), max_iters=8, init_from="resume"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def status(out_dir: str) -> dict:
+    last = read_metrics(out_dir)[-1]
+    assert last["kind"] == "status" and last["status"] == "diverged"
+    return last
+
+
+def test_absurd_learning_rate_exits_3_and_keeps_the_last_checkpoint(data_dir, tmp_path):
+    """Resume a healthy run with lr 1e30: the first update sends the weights to ~1e30, the next
+    forward overflows. The process exits 3, says where, logs the status and keeps ckpt.pt."""
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4)) == 0
+    before = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    result = subprocess.run([sys.executable, "train.py", *tiny_run_args(data_dir, out, max_iters=8, learning_rate=1e30,
+                                                                         init_from="resume")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == train.EXIT_DIVERGED, result.stderr
+    record = status(out)
+    # the non-finite loss of iter 6 poisoned every weight through its step: no block can be named
+    assert record["iter"] == 6 and record["reason"] == "non-finite training loss" and record["block"] is None
+    assert record["nonfinite"][0] == "wte.weight" and record["n_nonfinite"] > len(record["nonfinite"])
+    assert "diverged at iter 6: non-finite training loss; non-finite: wte.weight, wpe.weight" in result.stderr
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+    assert train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
+
+
+def test_divergence_with_finite_weights_names_the_block(data_dir, tmp_path):
+    """Weights of block 1's MLP scaled by 1e30 (finite) overflow its output: the eval at the resumed
+    iteration is non-finite, the weights are not, so the report names block 1."""
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4)) == 0
+    ckpt = load(out)
+    for name in ("blocks.1.mlp.sublayer.fc.weight", "blocks.1.mlp.sublayer.proj.weight"):
+        ckpt["model"][name] *= 1e30
+    torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    assert train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume")) == train.EXIT_DIVERGED
+    record = status(out)
+    assert (record["iter"], record["block"], record["n_nonfinite"]) == (4, 1, 0)
+    assert record["reason"] == "non-finite eval loss or state"
+
+
+def test_divergence_between_log_lines_is_caught_at_the_next_eval(data_dir, tmp_path):
+    """With log_interval past the run, the device-side first non-finite iteration is read at the
+    eval: the run stops there, names the same iteration as a run that checks every step, and no
+    checkpoint is written from the diverged state."""
+    every, rarely = str(tmp_path / "every"), str(tmp_path / "rarely")
+    args = dict(learning_rate=1e30, warmup_iters=0, max_iters=8, eval_interval=4)
+    assert train.train(tiny_run_args(data_dir, every, **args)) == train.EXIT_DIVERGED
+    assert train.train(tiny_run_args(data_dir, rarely, **args, log_interval=100)) == train.EXIT_DIVERGED
+    assert status(every)["iter"] == status(rarely)["iter"] == 2
+    assert [r["kind"] for r in read_metrics(rarely)] == ["eval", "status"]
+    assert not os.path.exists(os.path.join(rarely, "ckpt.pt"))
+
+
+def test_two_ranks_stop_together_on_divergence(data_dir, tmp_path):
+    """Only rank-local losses go non-finite between log lines; the all-reduced first bad iteration
+    makes both ranks stop at the same eval with exit code 3, after rank 0 has logged the status.
+    torchrun exits 1 and names exit code 3 as the root cause (it may SIGTERM the other rank while it
+    exits); no rank crashes or hangs."""
+    out = str(tmp_path / "run")
+    args = tiny_run_args(data_dir, out, learning_rate=1e30, warmup_iters=0, max_iters=8, eval_interval=4,
+                         log_interval=100, gradient_accumulation_steps=2)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1, result.stderr
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert "exitcode  : 3" in root_cause and "exitcode  : 1 " not in result.stderr, result.stderr
+    assert status(out)["iter"] == 2
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def test_diagnostics_are_logged_at_evals_without_changing_training(data_dir, tmp_path):
+    plain, logged = str(tmp_path / "plain"), str(tmp_path / "logged")
+    args = dict(norm_scheme="geonorm", dropout=0.1, max_iters=4, eval_interval=2)
+    assert train.train(tiny_run_args(data_dir, plain, **args)) == 0
+    assert train.train(tiny_run_args(data_dir, logged, **args, log_grad_stats=True, log_geonorm_angles=True)) == 0
+    # the extra forward/backward re-seeds dropout like the step it mirrors: training is unchanged
+    assert losses(logged) == losses(plain)
+    evals = [r for r in read_metrics(logged) if r["kind"] == "eval"]
+    assert [r["iter"] for r in evals] == [0, 2, 4]
+    model = train.GPT(train.GPTConfig(**load(logged)["model_args"]))
+    names, n_entries = [n for n, _ in model.named_parameters()], sum(p.numel() for p in model.parameters())
+    for r in evals:
+        assert list(r["grad_norms"]) == names and all(0 <= v < float("inf") for v in r["grad_norms"].values())
+        assert r["grad_kurtosis"] >= 1 and r["grad_tail_ratio"] >= 1  # kurtosis >= 1 for any distribution
+        assert len(r["grad_abs_hist"]) == len(r["grad_abs_hist_log10_edges"]) + 1
+        assert sum(r["grad_abs_hist"]) == n_entries  # every gradient entry, the tied head counted once
+        for key in ("attn_mean", "attn_max", "mlp_mean", "mlp_max"):
+            theta = r[f"geonorm_theta_{key}"]
+            assert len(theta) == 2 and all(0 <= t <= torch.pi / 4 for t in theta)  # the default clamp
+        assert all(r[f"geonorm_theta_{u}_mean"][i] <= r[f"geonorm_theta_{u}_max"][i]
+                   for u in ("attn", "mlp") for i in range(2))
+
+
+def test_gradient_statistics_of_gaussian_gradients():
+    """Gaussian entries: kurtosis 3 and q99.9/median of |g| = 3.29/0.674 = 4.88; with 27k entries the
+    sampling error is ~0.03 and ~0.1, so 0.15 and 0.4 are safe bounds. Norms undo the loss scale."""
+    model = train.GPT(train.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50))
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = 8 * torch.randn(p.shape, generator=generator)
+    stats = train.gradient_statistics(model, grad_scale=8.0)
+    assert stats["grad_kurtosis"] == pytest.approx(3.0, abs=0.15)
+    assert stats["grad_tail_ratio"] == pytest.approx(4.88, abs=0.4)
+    n = sum(p.numel() for p in model.parameters())
+    assert sum(stats["grad_abs_hist"]) == n and stats["grad_abs_hist"][-1] > 0.3 * n  # |g| >= 1: 32% of N(0, 1)
+    assert stats["grad_norms"]["wpe.weight"] == pytest.approx(model.wpe.weight.grad.norm().item() / 8)
