@@ -331,7 +331,7 @@ class LeastSquaresTask:
         self.tokens_per_batch = cfg.batch_size * 2 * cfg.icl_pairs
         self.eval_sets = {split: [self.draw(stream, -1, k) for k in range(cfg.icl_eval_batches)]
                           for stream, split in ((1, "train"), (2, "val"))}
-        self.bounds = copy_aware_bounds(self.eval_sets["val"])
+        self.bounds = eval_set_baselines(self.eval_sets["val"])
 
     def draw(self, stream: int, iteration: int, index: int) -> ICLBatch:
         g = seeded_generator(self.seed, stream, iteration, index)
@@ -352,7 +352,7 @@ class LeastSquaresTask:
 
     @torch.no_grad()
     def extra_metrics(self, model, autocast) -> dict:
-        """val loss by order (only the orders present) and per t; the copy-aware bounds."""
+        """val loss by order (only the orders present) and per t; the baselines on val."""
         errors, orders = [], []
         for batch in self.eval_sets["val"]:
             with autocast:
@@ -364,20 +364,27 @@ class LeastSquaresTask:
         return {**out, **self.bounds, "val_loss_per_t": split["per_t"].tolist()}
 
 
-def copy_aware_bounds(batches: list[ICLBatch]) -> dict:
-    """Best achievable loss on these batches, overall and on xy sequences if there are any."""
-    sums, counts = {"xy": 0.0, "all": 0.0}, {"xy": 0, "all": 0}
+def eval_set_baselines(batches: list[ICLBatch]) -> dict:
+    """Reference losses on a fixed eval set, logged next to the model's.
+
+    best_loss: the copy-aware bound (see `baseline_losses`); best_xy_loss: the same on xy
+    sequences, if there are any. ols_loss, ridge_loss: least squares and the posterior-mean
+    ridge on the pairs before t; they ignore the order. OLS is erratic at t = D (a square
+    Gaussian system), ridge is not: compare a model with both.
+    """
+    parts = {"best_loss": ("copy_aware", "all"), "best_xy_loss": ("copy_aware", "xy"),
+             "ols_loss": ("ols", "all"), "ridge_loss": ("ridge", "all")}
+    sums, counts = dict.fromkeys(parts, 0.0), dict.fromkeys(parts, 0)
     for batch in batches:
-        best = baseline_losses(batch)["copy_aware"]
-        sums["all"] += best["all"] * len(batch.order)
-        counts["all"] += len(batch.order)
-        if best["n_xy"]:
-            sums["xy"] += best["xy"] * best["n_xy"]
-            counts["xy"] += best["n_xy"]
-    out = {"best_loss": sums["all"] / counts["all"]}
-    if counts["xy"]:
-        out["best_xy_loss"] = sums["xy"] / counts["xy"]
-    return out
+        base = baseline_losses(batch)
+        for key, (name, order) in parts.items():
+            n = len(batch.order) if order == "all" else base[name]["n_xy"]
+            if n:
+                sums[key] += base[name][order] * n
+                counts[key] += n
+    # train.py reads any non-finite metric as divergence: leave out what cannot be measured
+    means = {key: sums[key] / counts[key] for key in parts if counts[key]}
+    return {key: v for key, v in means.items() if math.isfinite(v)}
 
 
 # ----------------------------------------------------------------------------- report

@@ -110,6 +110,7 @@ class GPTConfig:
     gain_cap: float | None = None
     # architecture
     mlp: str = "gelu"  # "gelu" (GPT-2, 4d hidden) or "swiglu"
+    mlp_hidden: int | None = None  # MLP width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
     pos: str = "learned"  # "learned" (GPT-2) or "rope"
     rope_base: float = 10000.0
     # vector mode (the least-squares task): float inputs and outputs instead of tokens
@@ -160,6 +161,8 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError("vector mode needs both in_features and out_features (or neither)")
     if not 0 < c.geonorm_clamp <= math.pi:
         raise ValueError(f"geonorm_clamp={c.geonorm_clamp} must lie in (0, pi]")
+    if c.mlp_hidden is not None and c.mlp_hidden < 1:
+        raise ValueError(f"mlp_hidden={c.mlp_hidden} must be a positive width (or None for the default)")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
 
@@ -370,8 +373,9 @@ class MLP(nn.Module):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
-        # SwiGLU's hidden width is 2/3 of 4d (rounded up to 64) to keep the parameter count
-        hidden = 64 * math.ceil(8 * d / 3 / 64) if self.swiglu else 4 * d
+        hidden = config.mlp_hidden
+        if hidden is None:  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
+            hidden = 64 * math.ceil(8 * d / 3 / 64) if self.swiglu else 4 * d
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
         self.proj = make_linear(config, hidden, d)

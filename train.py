@@ -109,8 +109,10 @@ class TrainConfig:
     adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
     grad_clip: float = 1.0  # 0 disables
     decay_lr: bool = True
+    lr_schedule: str = "cosine"  # after warmup: "cosine" to min_lr (nanoGPT), or "wsd": flat, then linear
     warmup_iters: int = 100
-    lr_decay_iters: int = 5000
+    lr_decay_iters: int = 5000  # the schedule reaches min_lr here
+    cooldown_iters: int = 0  # wsd: the linear decay to min_lr takes the last cooldown_iters before lr_decay_iters
     min_lr: float = 6e-5
     # system
     backend: str = "auto"  # "nccl", "gloo", or "auto" (nccl on CUDA, gloo otherwise)
@@ -205,7 +207,7 @@ def check_train_config(cfg: TrainConfig) -> None:
     choices = {"init_from": ("scratch", "resume"), "task": ("lm", "icl"),
                "optimizer": optim.OPTIMIZERS, "dtype": ("auto", "float32", "bfloat16", "float16"),
                "backend": ("auto", "nccl", "gloo"), "icl_order": ("random", "xy", "yx"),
-               "adjust_lr": ("original", "match_rms_adamw")}
+               "adjust_lr": ("original", "match_rms_adamw"), "lr_schedule": ("cosine", "wsd")}
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
@@ -213,8 +215,8 @@ def check_train_config(cfg: TrainConfig) -> None:
                 "icl_pairs", "icl_dim", "icl_eval_batches"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "keep_every", "sample_tokens", "grad_clip",
-                "min_lr", "weight_decay"):
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
+                "grad_clip", "min_lr", "weight_decay"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
     if not cfg.learning_rate > 0:  # the schedule divides by it
@@ -455,14 +457,23 @@ def nonfinite_state(model: GPT, optimizer) -> list[str]:
 
 
 def lr_multiplier(cfg: TrainConfig, it: int) -> float:
-    """Linear warmup, then cosine decay to min_lr/learning_rate at lr_decay_iters (nanoGPT's schedule)."""
+    """Linear warmup, then down to min_lr/learning_rate at lr_decay_iters, and flat after it.
+
+    cosine: nanoGPT's cosine decay over [warmup_iters, lr_decay_iters].
+    wsd: warmup, stable, decay (seed 004's schedule: 2% warmup, constant, linear decay over the
+    last 10%): flat until lr_decay_iters - cooldown_iters, then linear to the floor.
+    """
     if not cfg.decay_lr:
         return 1.0
     if it < cfg.warmup_iters:
         return (it + 1) / (cfg.warmup_iters + 1)
     floor = cfg.min_lr / cfg.learning_rate
-    if it > cfg.lr_decay_iters:
+    if it >= cfg.lr_decay_iters:
         return floor
+    if cfg.lr_schedule == "wsd":
+        start = max(cfg.warmup_iters, cfg.lr_decay_iters - cfg.cooldown_iters)
+        progress = max(0, it - start) / max(1, cfg.lr_decay_iters - start)
+        return 1.0 - progress * (1.0 - floor)
     progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
 

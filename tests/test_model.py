@@ -374,3 +374,13 @@ def test_every_scheme_overfits_one_batch(scheme, norm):
     # steps; the Lipschitz block (no final norm, a residual stream at the 0.02 embedding scale)
     # is the slowest at ~0.52 x its initial loss, so 0.6 x is the bar every scheme must clear.
     assert loss.item() < 0.6 * first, (scheme, norm, first, loss.item())
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_mlp_hidden_sets_the_mlp_width(mlp):
+    default = GPT(tiny(mlp=mlp)).blocks[0].mlp.sublayer
+    assert default.fc.out_features == (4 * 32 if mlp == "gelu" else 128)  # swiglu: 8 * 32 / 3 up to 64s
+    narrow = GPT(tiny(mlp=mlp, mlp_hidden=48)).blocks[0].mlp.sublayer
+    assert narrow.fc.weight.shape == (48, 32) and narrow.proj.weight.shape == (32, 48)
+    if mlp == "swiglu":
+        assert narrow.gate.weight.shape == (48, 32)

@@ -1,0 +1,17 @@
+# CPU version of icl_lipschitz_muon.py (seed 004 Table 2, Muon row): 15 Lipschitz blocks, d 64, T 16, batch 64, 900 steps; 2-core CPU, about 5 minutes.
+# Muon's lr is a spectral-norm step, meant to carry over across widths, so the paper's values
+# are kept: matrices lr 1e-3 (wd 0.01, momentum 0.95), embedding and head AdamW lr 1e-3.
+# x10 robustness run: --matrix_lr=0.01 --learning_rate=0.01
+from configs.icl_small_lipschitz_adamw import *  # noqa: F403
+
+out_dir = "out/icl_small_lipschitz_muon"
+optimizer = "muon"
+matrix_lr = 1e-3
+matrix_momentum = 0.95
+ns_steps = 5
+adjust_lr = "original"
+learning_rate = 1e-3
+beta1 = 0.9
+beta2 = 0.999
+weight_decay = 0.01
+grad_clip = 0.0
