@@ -33,6 +33,7 @@ SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # SPEC §7's CPU reference shape (char vocabulary)
     "small": (4, 4, 128, 128, 16, 80),  # configs/quickstart.py
     "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
+    "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test
 }
 
 
@@ -120,13 +121,77 @@ def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch,
 
 
 def report(title: str, rows: list[dict], baseline: str) -> None:
-    base = next(r["seconds"] for r in rows if r["name"] == baseline)
     print(f"\n{title} (ratios against {baseline}, measured in this run)\n")
     print("| case | ms/step | x baseline | tokens/s | MFU | peak GiB | opt. state MB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['seconds'] / base:.2f} | {r['tokens_per_s']:,.0f} "
+        print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.2f} | {r['tokens_per_s']:,.0f} "
               f"| {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | {r['state_bytes'] / 2**20:.1f} |")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32."""
+    if dtype != "auto":
+        return dtype
+    native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bfloat16" if native_bf16 else "float32"
+
+
+def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
+              device: str = "cpu", dtype: str = "auto", compile_model: bool = False, steps: int = 10,
+              warmup: int = 3, nanogpt: str | None = None) -> dict[str, list[dict]]:
+    """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
+    seconds, ratio (to "pre" or "adamw", timed in the same rounds), tokens_per_s, mfu, peak_gib and
+    state_bytes. schemes / optimizers None means all; [] skips that table."""
+    schemes = list(SCHEMES) if schemes is None else schemes
+    optimizers = list(optim.OPTIMIZERS) if optimizers is None else optimizers
+    dtype = resolve_dtype(dtype, device)
+    torch_dtype = getattr(torch, dtype)
+    device_type = device.split(":")[0]
+    autocast = torch.autocast(device_type, dtype=torch_dtype) if dtype != "float32" else contextlib.nullcontext()
+    n_layer, n_head, n_embd, block_size, batch_size, vocab = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    batch = tuple(torch.randint(0, vocab, (batch_size, block_size), generator=g).to(device) for _ in range(2))
+    tokens = batch_size * block_size
+    peak = device_peak_flops(device, torch_dtype)
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or platform.machine()
+    print(f"nanoNorm bench, {datetime.date.today()}: {name}, torch {torch.__version__}, {dtype}, "
+          f"compile={compile_model}, shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), "
+          f"peak {peak / 1e12:.3g} TFLOP/s", flush=True)
+
+    def measure(cases: dict, flops: dict, states: dict, baseline: str) -> list[dict]:
+        seconds = time_interleaved(cases, device, steps, warmup)
+        return [{"name": k, "seconds": s, "ratio": s / seconds[baseline], "tokens_per_s": tokens / s,
+                 "mfu": flops[k] * tokens / s / peak, "peak_gib": peak_memory(cases[k], device),
+                 "state_bytes": states.get(k, 0)} for k, s in seconds.items()]
+
+    def build_all(variants: dict[str, tuple[GPTConfig, str]]) -> tuple[dict, dict, dict]:
+        cases, flops, states = {}, {}, {}
+        for label, (config, opt_name) in variants.items():
+            step, model, opt = build_case(config, opt_name, device, compile_model, batch, autocast)
+            step()  # creates the optimizer state before it is counted
+            cases[label], flops[label], states[label] = step, model.flops_per_token(block_size), state_bytes(opt)
+        return cases, flops, states
+
+    tables: dict[str, list[dict]] = {}
+    if schemes or nanogpt:
+        variants = {s: (model_config(shape, norm_scheme=s), "adamw") for s in dict.fromkeys(["pre", *schemes])}
+        cases, flops, states = build_all(variants)
+        if nanogpt:
+            cases["nanoGPT (pre)"] = nanogpt_case(nanogpt, shape, device, compile_model, batch, autocast)
+            flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
+        tables["schemes"] = measure(cases, flops, states, "pre")
+        report("Schemes, AdamW step", tables["schemes"], "pre")
+    if optimizers:
+        variants = {name: (model_config(shape), name) for name in dict.fromkeys(["adamw", *optimizers])}
+        tables["optimizers"] = measure(*build_all(variants), "adamw")
+        report("Optimizers, Pre-Norm step", tables["optimizers"], "adamw")
+    return tables
+
+
+def name_list(text: str) -> list[str] | None:
+    """'all' -> None (every one), 'none' -> [], else the comma-separated names."""
+    return None if text == "all" else [] if text == "none" else text.split(",")
 
 
 def main() -> None:
@@ -142,52 +207,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nanogpt", help="path to karpathy/nanoGPT's model.py, timed beside Pre-Norm")
     args = p.parse_args()
+    run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
+              args.steps, args.warmup, args.nanogpt)
 
-    device, shape = args.device, args.shape
-    dtype = args.dtype
-    if dtype == "auto":
-        native_bf16 = device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        dtype = "bfloat16" if native_bf16 else "float32"
-    torch_dtype = getattr(torch, dtype)
-    device_type = device.split(":")[0]
-    autocast = torch.autocast(device_type, dtype=torch_dtype) if dtype != "float32" else contextlib.nullcontext()
-    n_layer, n_head, n_embd, block_size, batch_size, vocab = SHAPES[shape]
-    g = torch.Generator().manual_seed(0)
-    batch = tuple(torch.randint(0, vocab, (batch_size, block_size), generator=g).to(device) for _ in range(2))
-    tokens = batch_size * block_size
-    peak = device_peak_flops(device, torch_dtype)
-    name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or platform.machine()
-    print(f"nanoNorm bench, {datetime.date.today()}: {name}, torch {torch.__version__}, {dtype}, "
-          f"compile={args.compile}, shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), "
-          f"peak {peak / 1e12:.3g} TFLOP/s")
-
-    def measure(cases: dict, flops: dict, states: dict) -> list[dict]:
-        seconds = time_interleaved(cases, device, args.steps, args.warmup)
-        return [{"name": k, "seconds": s, "tokens_per_s": tokens / s, "mfu": flops[k] * tokens / s / peak,
-                 "peak_gib": peak_memory(cases[k], device), "state_bytes": states.get(k, 0)}
-                for k, s in seconds.items()]
-
-    def build_all(variants: dict[str, tuple[GPTConfig, str]]) -> tuple[dict, dict, dict]:
-        cases, flops, states = {}, {}, {}
-        for label, (config, opt_name) in variants.items():
-            step, model, opt = build_case(config, opt_name, device, args.compile, batch, autocast)
-            step()  # creates the optimizer state before it is counted
-            cases[label], flops[label], states[label] = step, model.flops_per_token(block_size), state_bytes(opt)
-        return cases, flops, states
-
-    schemes = list(SCHEMES) if args.schemes == "all" else [] if args.schemes == "none" else args.schemes.split(",")
-    if schemes or args.nanogpt:
-        variants = {s: (model_config(shape, norm_scheme=s), "adamw") for s in dict.fromkeys(["pre", *schemes])}
-        cases, flops, states = build_all(variants)
-        if args.nanogpt:
-            cases["nanoGPT (pre)"] = nanogpt_case(args.nanogpt, shape, device, args.compile, batch, autocast)
-            flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
-        report("Schemes, AdamW step", measure(cases, flops, states), "pre")
-    names = list(optim.OPTIMIZERS) if args.optimizers == "all" else [] if args.optimizers == "none" \
-        else args.optimizers.split(",")
-    if names:
-        variants = {name: (model_config(shape), name) for name in dict.fromkeys(["adamw", *names])}
-        report("Optimizers, Pre-Norm step", measure(*build_all(variants)), "adamw")
 
 if __name__ == "__main__":
     main()

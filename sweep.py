@@ -137,8 +137,9 @@ def read_json(path: str) -> dict:
         return json.load(f)
 
 
-def summarize(out_dirs: list[str]) -> list[dict]:
-    """One row per run: its grid values and seed, final losses, divergence, exit code, time."""
+def summarize(out_dirs: list[str], extra: list[str] | None = None) -> list[dict]:
+    """One row per run: its grid values and seed, final losses, divergence, exit code, time, and the
+    `extra` metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis)."""
     rows = []
     for out_dir in out_dirs:
         records = load_metrics(out_dir)
@@ -149,7 +150,9 @@ def summarize(out_dirs: list[str]) -> list[dict]:
                      "train_loss": evals[-1].get("train_loss") if evals else None,
                      "val_loss": evals[-1].get("val_loss") if evals else None,
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
-                     "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None})
+                     "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None,
+                     **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), (int, float))), None)
+                        for key in extra or []}})
     return rows
 
 
@@ -185,7 +188,8 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     def cell(key: str, value: object) -> str:
         if value is None or isinstance(value, float) and math.isnan(value):
             return "-"
-        return COLUMNS.get(key, (key, "{}"))[1].format(value)
+        default = "{:.4g}" if isinstance(value, float) else "{}"  # extra metrics
+        return COLUMNS.get(key, (key, default))[1].format(value)
 
     table = [[COLUMNS.get(c, (c,))[0] for c in columns]] + [[cell(c, row.get(c)) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
@@ -195,7 +199,8 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None = None, fixed: dict | None = None,
               out_root: str = "out/sweep", jobs: str | int = "auto", threads_per_run: int | None = None,
-              rerun: bool = False, baseline: dict | None = None, dry_run: bool = False) -> list[dict]:
+              rerun: bool = False, baseline: dict | None = None, dry_run: bool = False,
+              extra: list[str] | None = None) -> list[dict]:
     """Run what is not finished, then print and write the summary; returns summarize()'s rows."""
     todo = plan_runs(config, grid, seeds, fixed, out_root, rerun)
     workers, threads = parallelism(jobs, threads_per_run)
@@ -219,16 +224,17 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
         except KeyboardInterrupt:
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
-    rows = summarize([job["out_dir"] for job in todo])
+    rows = summarize([job["out_dir"] for job in todo], extra)
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
-                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}")
+                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [])
     return rows
 
 
-def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str):
+def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
+                  extra: list[str] = ()):
     """Print the two tables and write them to out_root/summary.md and summary.json."""
-    run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", "diverged_at", "exit_code",
-                   "wall_s", "ms_per_iter"]
+    run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", *extra, "diverged_at",
+                   "exit_code", "wall_s", "ms_per_iter"]
     text = "\n\n".join([format_table(rows, run_columns),
                         format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"])])
     print("\n" + text)
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads_per_run", type=int, help="OMP_NUM_THREADS of each run (default: see --jobs)")
     parser.add_argument("--baseline", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                         help="key=value: the grid point ms/iter is relative to (default: the first)")
+    parser.add_argument("--extra", default="", help="comma-separated metrics of the last eval to add to the run "
+                        "table, e.g. val_xy_loss,grad_kurtosis")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -267,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
         out_root = args.out_root or os.path.join("out", "sweep_" + os.path.splitext(os.path.basename(args.config))[0])
         rows = run_sweep(args.config, grid, seeds, parse_assignments(args.set, "--set"), out_root, args.jobs,
-                         args.threads_per_run, args.rerun, baseline or None, args.dry_run)
+                         args.threads_per_run, args.rerun, baseline or None, args.dry_run,
+                         [k for k in args.extra.split(",") if k])
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

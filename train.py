@@ -485,6 +485,7 @@ class MetricsLog:
     def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, append: bool = False,
                  wandb_run=None):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, wandb_run
+        self.checkpoint_path = os.path.join(out_dir, "ckpt.pt")
         if not enabled or append or not os.path.exists(self.path):
             return
         if resume_iter is None:
@@ -515,9 +516,9 @@ class MetricsLog:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))
 
 
-def device_peak_flops(device: str) -> float:
-    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, the float32 matmul peak measured now
-    (half precision on most CPUs is emulated: seconds per 1024^2 matmul, and no real peak)."""
+def device_peak_flops(device: str, dtype: torch.dtype = torch.float32) -> float:
+    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, the matmul peak in `dtype` measured now.
+    Half precision without native CPU support is emulated (seconds per matmul, no real peak): float32 then."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(device)
         table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
@@ -525,14 +526,17 @@ def device_peak_flops(device: str) -> float:
         return next((v for k, v in table.items() if k in name), float("nan"))
     if device != "cpu":
         return float("nan")
-    a = torch.randn(1024, 1024)
+    if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtype = torch.float32
+    n = 2048  # large enough to reach the peak (1024^2 reaches about half of it in float32 here)
+    a = torch.randn(n, n, dtype=dtype)
     a @ a  # warm-up
     best = float("inf")
     for _ in range(4):  # the fastest of a few repeats: the least disturbed by other processes
         t0 = time.perf_counter()
         a @ a
         best = min(best, time.perf_counter() - t0)
-    return 2 * 1024**3 / best
+    return 2 * n**3 / best
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -678,8 +682,9 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
             model.train(training)
             block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
             where = f"; activations first non-finite after block {block}" if block is not None else ""
-        print(f"diverged at iter {iteration}: {reason}{where}. Stopped; the last checkpoint, written from "
-              "finite state, is kept", file=sys.stderr)
+        kept = ("the last checkpoint, written from finite state, is kept" if os.path.exists(log.checkpoint_path)
+                else "no checkpoint had been written")
+        print(f"diverged at iter {iteration}: {reason}{where}. Stopped; {kept}", file=sys.stderr)
         log.write(kind="status", status="diverged", iter=iteration, reason=reason, block=block,
                   nonfinite=bad[:8], n_nonfinite=len(bad))
     if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
@@ -722,9 +727,11 @@ def train(argv: list[str]) -> int:
     log = MetricsLog(cfg.out_dir, ddp.master, iter_num if checkpoint else None, cfg.eval_only, wandb_run)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
-    peak = device_peak_flops(device) * ddp.world_size
+    peak = device_peak_flops(device, dtype) * ddp.world_size
     if ddp.master:
-        print(f"{gptconf.norm_scheme} / {gptconf.norm}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
+        has_norm = any("norm" in n and not isinstance(m, torch.nn.Identity) for n, m in raw_model.named_modules())
+        norms = f" / {gptconf.norm}" if has_norm else ", no norms"
+        print(f"{gptconf.norm_scheme}{norms}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
               f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
         if checkpoint:
             changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()

@@ -92,6 +92,16 @@ def test_rerun_skips_finished_runs(sweep_root, data_dir, monkeypatch):
     assert jobs[0]["state"] == "new" and "--overwrite=True" in jobs[0]["argv"]
 
 
+def test_extra_columns_take_the_last_evaluation_that_logged_them(sweep_root):
+    run = os.path.join(sweep_root, "norm_scheme=pre,seed=1")
+    evals = [r for r in plot.load_metrics(run) if r["kind"] == "eval"]
+    [row] = sweep.summarize([run], extra=["val_loss", "block_rms", "never_logged"])
+    assert row["val_loss"] == evals[-1]["val_loss"]
+    assert row["block_rms"] is None and row["never_logged"] is None  # lists and missing keys stay empty
+    table = sweep.format_table([row], ["val_loss", "never_logged"])
+    assert f"{evals[-1]['val_loss']:.4f}" in table and "| -" in table
+
+
 def test_unfinished_run_resumes_from_its_checkpoint(sweep_root, data_dir, tmp_path):
     run = "norm_scheme=pre,seed=1"
     shutil.copytree(os.path.join(sweep_root, run), tmp_path / run)

@@ -1,0 +1,32 @@
+"""bench.py at a tiny shape: every table row is measured, ratios are taken against the right baseline."""
+
+import math
+
+import pytest
+
+import bench
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return bench.run_bench("tiny", schemes=["geonorm", "dnt"], optimizers=["sgdw", "muon"], dtype="float32",
+                           steps=1, warmup=0)
+
+
+def test_bench_times_every_requested_scheme_against_pre(tables):
+    rows = {r["name"]: r for r in tables["schemes"]}
+    assert list(rows) == ["pre", "geonorm", "dnt"]
+    assert rows["pre"]["ratio"] == 1.0
+    for r in rows.values():
+        assert r["seconds"] > 0 and r["tokens_per_s"] > 0
+        assert math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1  # a measured CPU peak bounds a real step
+
+
+def test_bench_reports_optimizer_state_relative_to_adamw(tables):
+    rows = {r["name"]: r for r in tables["optimizers"]}
+    assert list(rows) == ["adamw", "sgdw", "muon"]
+    adamw, sgdw, muon = (rows[n]["state_bytes"] for n in ("adamw", "sgdw", "muon"))
+    # AdamW keeps two moments per entry (plus a 4-byte step per tensor), mSGDW one: half, up to the steps
+    assert sgdw < adamw / 2 < sgdw * 1.05
+    # Muon keeps one buffer for the hidden matrices and AdamW's two moments for the rest
+    assert sgdw < muon < adamw
