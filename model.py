@@ -528,13 +528,14 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-        top_k: int | None = None, generator: torch.Generator | None = None,
+        top_k: int | None = None, generator: torch.Generator | None = None, vocab_limit: int | None = None,
     ) -> torch.Tensor:
-        """Sample max_new_tokens continuations of idx (B, T), cropping to block_size."""
+        """Sample max_new_tokens continuations of idx (B, T), cropping to block_size. Ids from
+        vocab_limit on (the padding of a vocabulary rounded up to a multiple of 64) are never drawn."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
             logits, _ = self(context)
-            logits = logits[:, -1, :] / max(temperature, 1e-6)
+            logits = logits[:, -1, :vocab_limit] / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -float("inf"))

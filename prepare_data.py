@@ -167,12 +167,35 @@ def get_tokenizer(name: str, chars: Sequence[str] | None = None) -> Tokenizer:
 
 
 def tokenizer_from_meta(meta: dict) -> Tokenizer:
-    """The tokenizer a prepared dataset was written with."""
+    """The tokenizer a prepared dataset was written with. A meta with "token_ids" (a run's compact
+    vocabulary, train.py's compact_vocab) gives the tokenizer over those ids: id k is token_ids[k]."""
     tokenizer = get_tokenizer(meta["tokenizer"], meta.get("chars"))
     if tokenizer.vocab_size != meta["vocab_size"]:
         raise ValueError(f"meta.json says vocab_size {meta['vocab_size']}, but the "
                          f"{tokenizer.name} tokenizer has {tokenizer.vocab_size}")
+    if "token_ids" in meta:
+        return compact_tokenizer(tokenizer, meta["token_ids"])
     return tokenizer
+
+
+def compact_tokenizer(tokenizer: Tokenizer, token_ids: Sequence[int]) -> Tokenizer:
+    """`tokenizer` restricted to `token_ids`, renumbered 0..len-1 in that order."""
+    token_ids = [int(t) for t in token_ids]
+    index = {t: k for k, t in enumerate(token_ids)}
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        missing = [t for t in ids if t not in index]
+        if missing:
+            raise ValueError(f"{tokenizer.decode(missing[:1])!r} (token {missing[0]}) never occurs in the "
+                             "training data, so the model's compact vocabulary has no id for it")
+        return [index[t] for t in ids]
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode([token_ids[int(k)] for k in ids])
+
+    return Tokenizer(tokenizer.name, len(token_ids), encode, decode, eot_token=index.get(tokenizer.eot_token),
+                     chars=tokenizer.chars)
 
 
 # -----------------------------------------------------------------------------

@@ -52,10 +52,15 @@ def main(argv: list[str]) -> int:
     if start.startswith("FILE:"):
         with open(start[5:], encoding="utf-8") as f:
             start = f.read()
-    prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=args.device)
+    try:
+        prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=args.device)
+    except ValueError as e:  # a symbol outside the model's vocabulary
+        print(f"error: cannot encode the prompt: {e}", file=sys.stderr)
+        return 2
     generator = torch.Generator(args.device).manual_seed(args.seed)
     for _ in range(args.num_samples):
-        out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, generator=generator)
+        out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, generator=generator,
+                             vocab_limit=tokenizer.vocab_size)
         print(tokenizer.decode(out[0].tolist()))
         print("-" * 40)
     return 0

@@ -87,6 +87,7 @@ class TrainConfig:
     # data
     task: str = "lm"  # "lm" (next-token prediction) or "icl" (seed 004's least-squares task)
     dataset: str = "shakespeare_char"
+    compact_vocab: bool = False  # output only the token ids the dataset uses (small corpora: a cheaper head)
     data_dir: str = "data"
     gradient_accumulation_steps: int = 1  # global count, divided among the ranks
     batch_size: int = 12  # per micro-batch
@@ -325,12 +326,24 @@ class TextData:
             if len(data) <= block_size + 1:
                 raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
                                   f"({len(data)} tokens); use a smaller --block_size")
+        self.to_compact = None
+        if cfg.compact_vocab:  # model id k stands for dataset id token_ids[k]; one pass over the data
+            used = np.unique(np.concatenate([np.unique(data) for data in self.arrays.values()]))
+            self.meta = {**self.meta, "token_ids": used.tolist()}
+            self.to_compact = np.zeros(self.meta["vocab_size"], dtype=np.int64)
+            self.to_compact[used] = np.arange(len(used))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.meta["token_ids"]) if self.to_compact is not None else self.meta["vocab_size"]
 
     def batch(self, split: str, iteration: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         data = self.arrays[split]
         rng = np.random.default_rng(stream_seed(self.seed, self.SPLITS[split], iteration, index))
         starts = rng.integers(0, len(data) - self.block_size - 1, size=self.batch_size)
         window = np.stack([data[s: s + self.block_size + 1] for s in starts]).astype(np.int64)
+        if self.to_compact is not None:
+            window = self.to_compact[window]
         xy = torch.from_numpy(window)
         if self.device.startswith("cuda"):
             xy = xy.pin_memory().to(self.device, non_blocking=True)
@@ -345,7 +358,7 @@ class LanguageModelTask:
     def __init__(self, cfg: TrainConfig, model_args: dict, device: str, master: bool):
         block_size = model_args.get("block_size", MODEL_KEYS["block_size"].default)
         self.data = TextData(cfg, block_size, device, master)
-        vocab = self.data.meta["vocab_size"]
+        vocab = self.data.vocab_size
         # pad big vocabularies to a multiple of 64 for fast matmuls (GPT-2: 50257 -> 50304)
         self.model_defaults = {"vocab_size": 64 * math.ceil(vocab / 64) if vocab > 1024 else vocab}
         self.tokens_per_batch = cfg.batch_size * block_size
@@ -818,7 +831,8 @@ def train(argv: list[str]) -> int:
 def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:
     tokenizer = prepare_data.tokenizer_from_meta(meta)
     start = torch.tensor([tokenizer.encode("\n")], device=device)
-    out = model.generate(start, n_tokens, temperature=0.8, top_k=200, generator=torch.Generator(device).manual_seed(0))
+    out = model.generate(start, n_tokens, temperature=0.8, top_k=200, generator=torch.Generator(device).manual_seed(0),
+                         vocab_limit=tokenizer.vocab_size)
     print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40)
 
 

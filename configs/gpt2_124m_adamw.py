@@ -5,6 +5,7 @@ dataset = "openwebtext"
 out_dir = "out/gpt2_124m_adamw"
 norm_scheme = "pre"
 norm = "layernorm"
+init = "xavier"  # DNT Table 5: Xavier init for GPT-2 and DNT alike (nanoGPT's own default is N(0, 0.02))
 n_layer = 12
 n_head = 12
 n_embd = 768

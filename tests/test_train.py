@@ -1,6 +1,7 @@
 """train.py end to end: runs, logs, checkpoints, resumes, rejects bad configs, and DDP."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -163,3 +164,43 @@ def test_wsd_schedule_is_flat_then_decays_linearly_over_the_cooldown():
     assert mult[950] == pytest.approx(0.5) and mult[1000] == 0.0
     steps = [a - b for a, b in zip(mult[900:], mult[901:], strict=False)]
     assert steps == [pytest.approx(0.01)] * 100  # linear: equal steps down to the floor
+
+
+@pytest.fixture(scope="module")
+def bpe_data_dir(tmp_path_factory) -> str:
+    """A small GPT-2 BPE dataset (a few plays' worth of tokens out of GPT-2's 50257)."""
+    import prepare_data
+
+    plays = [text for _, text in prepare_data.shakespeare_plays()[:4]]
+    path = tmp_path_factory.mktemp("bpe")
+    prepare_data.write_dataset(path / "plays", {"train": plays[:3], "val": plays[3:]},
+                               prepare_data.get_tokenizer("gpt2"), "test")
+    return str(path)
+
+
+def test_compact_vocab_trains_on_the_used_ids_and_samples_text(bpe_data_dir, tmp_path):
+    args = dict(dataset="plays", compact_vocab=True, max_iters=2)
+    full = train.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **{**args, "compact_vocab": False}))[0],
+                          32, "cpu", True)
+    compact = train.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **args))[0], 32, "cpu", True)
+    used = compact.meta["token_ids"]
+    assert used == sorted(set(full.arrays["train"]) | set(full.arrays["val"])) and 1024 < len(used) < 50257
+    # the same window, renumbered: model id k is dataset id used[k]
+    x_full, _ = full.batch("train", 3, 1)
+    x_compact, _ = compact.batch("train", 3, 1)
+    assert torch.equal(torch.tensor(used)[x_compact], x_full)
+
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(bpe_data_dir, out, **args)) == 0
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["model_args"]["vocab_size"] == 64 * -(-len(used) // 64)  # padded to a multiple of 64
+    # the untrained model spreads its probability over the used ids only: loss ~ ln(len(used))
+    first_eval = read_metrics(out)[0]
+    assert abs(first_eval["val_loss"] - math.log(len(used))) < 0.3
+    sample = [sys.executable, "sample.py", f"--out_dir={out}", "--max_new_tokens=20"]
+    result = subprocess.run([*sample, "--start=Enter"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Enter") and len(result.stdout.splitlines()[0]) > len("Enter")
+    # "KING" is one GPT-2 token that these plays never use (they write it in lower case)
+    result = subprocess.run([*sample, "--start=KING"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "never occurs in the training data" in result.stderr
