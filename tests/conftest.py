@@ -27,3 +27,15 @@ def tiny_run_args(data_dir: str, out_dir: str, **overrides) -> list[str]:
                     eval_interval=4, eval_iters=2, log_interval=1, learning_rate=1e-3, dropout=0.0)
     settings.update(overrides)
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in settings.items()]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and so do the subprocesses (OMP_NUM_THREADS=1): a second
+    thread only spins against other work on a shared machine. Use with pytest.mark.usefixtures."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,7 +10,6 @@ import math
 import os
 
 import pytest
-import torch
 
 import train
 
@@ -35,18 +34,11 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The matrices here are tiny, so one thread is about as fast as two, and it is not slowed
-    down tens of times when other processes share the cores (OpenMP threads waiting on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def icl_run(tmp_path_factory) -> list[dict]:
+def icl_run(tmp_path_factory, one_thread) -> list[dict]:
     """One training run (about 12 s on one core), read by several tests."""
     out = str(tmp_path_factory.mktemp("icl_run"))
     assert train.train(run_args(out)) == 0

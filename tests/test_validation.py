@@ -5,21 +5,12 @@ import os
 import sys
 
 import pytest
-import torch
 from conftest import tiny_run_args
 
 import prepare_data
 import train
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and so do the subprocesses (OMP_NUM_THREADS=1): a second
-    thread only spins against other work on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arg, message", [
