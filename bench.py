@@ -30,7 +30,7 @@ from model import GPT, SCHEMES, GPTConfig
 from train import device_peak_flops
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
-    "cpu": (4, 4, 256, 256, 8, 96),  # SPEC §7's CPU reference shape (char vocabulary)
+    "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
     "small": (4, 4, 128, 128, 16, 80),  # configs/quickstart.py
     "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
     "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test

@@ -1,4 +1,4 @@
-"""In-context least squares: the benchmark of seed 004 (Bir et al., §4.1).
+"""In-context least squares: the benchmark of Bir et al. (§4.1).
 
 Each sequence holds one random linear map. For sequence b we draw T inputs x_1..x_T in R^D
 (rows of X_b, i.i.d. N(0, 1), redrawn until cond(X_b) < kappa_max = 1e3) and a matrix W_b with
@@ -9,13 +9,13 @@ the order drawn per sequence with probability 1/2. A token has 2 + 2D + 1 = 13 f
     [x_flag, y_flag, x_1..x_D, y_1..y_D, 1]
 
 an x-token carries x in the x slots and zeros in the y slots, a y-token the reverse, and the
-trailing 1 is an explicit bias feature (seed 004 §6.3; `bias_feature=False` drops it). During
+trailing 1 is an explicit bias feature (Bir et al. §6.3; `bias_feature=False` drops it). During
 training the x values stored in x-tokens get N(0, 0.01^2) noise; targets stay noise-free.
 
 The model emits D numbers at every position; the ones at x_t's position predict y_t, and the
 loss is the mean over (b, t) of sum_d (y_hat - y)^2. Predicting zero scores E||y||^2 = D.
 
-The leak. Seed 004 draws the order at random to break positional regularities (§4.1), but in
+The leak. Bir et al. draw the order at random to break positional regularities (§4.1), but in
 "yx" order y_t sits right before x_t, so at x_t's position a causal model can simply copy the
 answer: half the published sequences are solved by copying, and only the "xy" half is least
 squares in context. In code, pair index t = 0..T-1 also counts the pairs seen before y_t. For
@@ -29,7 +29,7 @@ used T = 64 and 128. `baseline_losses` measures these bounds, and `split_losses`
 model's loss by order and by t, which is the number to report for in-context learning.
 `LeastSquaresTask` is the adapter train.py uses (task="icl").
 
-Notation: seed 004 writes both y = W x and Y = X W; we use rows, y_t = x_t W, the same in law.
+Notation: Bir et al. write both y = W x and Y = X W; we use rows, y_t = x_t W, the same in law.
 
 Run `python icl_task.py` for an example sequence, the baselines and the size of the leak.
 """
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 ORDERS = ("random", "xy", "yx")
-# seed 004 Table 2: final training loss, Lipschitz blocks, no normalization, batch 256
+# Bir et al. Table 2: final training loss, Lipschitz blocks, no normalization, batch 256
 SEED004_LOSSES = {"AdamW": 0.16656, "Muon": 0.75127, "Manifold Muon": 1.96396}
 
 
@@ -109,7 +109,7 @@ def sample_well_conditioned(batch_size: int, n_pairs: int, dim: int,
         raise ValueError(
             f"n_pairs={n_pairs} < dim={dim}: with fewer pairs than dimensions X is rank deficient, "
             f"its least-squares condition number is infinite and no draw can meet "
-            f"kappa_max={kappa_max:g}. Use n_pairs >= {dim} (seed 004's sweep: 64 and 128), "
+            f"kappa_max={kappa_max:g}. Use n_pairs >= {dim} (Bir et al.'s sweep: 64 and 128), "
             f"or kappa_max=None to skip the check.")
     if check and kappa_max <= 1:
         raise ValueError(f"kappa_max={kappa_max:g}, but every condition number is >= 1")
@@ -135,7 +135,7 @@ def get_batch(batch_size: int, n_pairs: int, *, dim: int = 5, noise_std: float =
               kappa_max: float | None = 1e3, order: str = "random", bias_feature: bool = True,
               generator: torch.Generator | None = None, device: str | torch.device = "cpu",
               ) -> ICLBatch:
-    """A fresh batch of least-squares sequences (seed 004 §4.1).
+    """A fresh batch of least-squares sequences (Bir et al. §4.1).
 
     All draws come from `generator` (a CPU torch.Generator; None uses torch's global RNG) on
     the CPU, in the order X, W, order, noise, and the batch is then moved to `device`, so a
@@ -149,7 +149,7 @@ def get_batch(batch_size: int, n_pairs: int, *, dim: int = 5, noise_std: float =
     B, T, D = batch_size, n_pairs, dim
     X, resamples = sample_well_conditioned(B, T, D, kappa_max, generator)
     W = torch.randn(B, D, D, generator=generator) / math.sqrt(D)
-    # seed 004 writes y = W x and Y = X W; rows of Y = X W are y = W^T x, the same in law
+    # Bir et al. write y = W x and Y = X W; rows of Y = X W are y = W^T x, the same in law
     Y = X @ W
     if order == "random":
         y_first = torch.randint(0, 2, (B,), generator=generator)
@@ -314,7 +314,7 @@ class LeastSquaresTask:
 
     Batch k of iteration i is drawn from seeded_generator(seed, 0, i, k), so it does not depend
     on which rank draws it. The eval splits are fixed sets of icl_eval_batches batches drawn
-    like the training batches (same noise and order): "train" is what seed 004 reports, "val"
+    like the training batches (same noise and order): "train" is what Bir et al. report, "val"
     a second, independent set used to pick checkpoints.
     """
 
@@ -325,7 +325,7 @@ class LeastSquaresTask:
         self.model_defaults = {
             "in_features": token_dim(cfg.icl_dim, cfg.icl_bias_feature),
             "out_features": cfg.icl_dim,
-            "embed_fan_in": cfg.icl_dim + 1 + int(cfg.icl_bias_feature),  # seed 004 §8.2: 7
+            "embed_fan_in": cfg.icl_dim + 1 + int(cfg.icl_bias_feature),  # Bir et al. §8.2: 7
             "block_size": 2 * cfg.icl_pairs,
         }
         self.tokens_per_batch = cfg.batch_size * 2 * cfg.icl_pairs
@@ -487,7 +487,7 @@ def main() -> None:
         print(f"{n:>5} {best_xy:>18.4f} {best_pub:>17.4f}")
     if D != 5:
         return
-    print("seed 004 Table 2 (final training loss, noise on, batch 256). The paper does not state "
+    print("Bir et al. Table 2 (final training loss, noise on, batch 256). The paper does not state "
           "T;\nits public sweep code runs T = 64 and T = 128, so both are compared:")
     for name, loss in SEED004_LOSSES.items():
         print(f"  {name:<14}{loss:.5f}  " + "; ".join(

@@ -13,8 +13,8 @@ Every block performs the same four steps for its attention and its MLP:
     x = post_norm(x)                        # optional norm after the residual (Post/DeepNorm)
 
 A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new combine rule.
-Papers: GeoNorm = seed 000, LN/RMSNorm = 001, DNT = 002, head-wise norm = 003,
-Lipschitz block / Manifold Muon = 004 (see SPEC.md for the distilled equations).
+Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
+and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ SCHEMES: dict[str, Scheme] = {
     "none":      Scheme(False, "none",     False, False, "add",      False, False, "1/sqrt(d)", 1.0, "orthogonal"),
 }
 
-# `none` is seed 004 §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
+# `none` is Bir et al. §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
 # its scalings or convex residual (with N(0, 0.02) init it would be a different, tamer model).
 # DNT App. D ablation settings; `dnt` above is S5, the paper's default.
 DNT_SETTINGS: dict[str, Scheme] = {
@@ -102,10 +102,10 @@ class GPTConfig:
     attn_scale: str | None = None
     branch_scale: float | None = None
     init: str | None = None
-    # GeoNorm (seed 000 eq. 5): step-size decay over blocks and the angle clamp
+    # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
-    # Lipschitz block (seed 004 §6.2): learnable diagonal gain on every hidden linear map,
+    # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
     # clamped to [1e-3, gain_cap]; None disables it
     gain_cap: float | None = None
     # architecture
@@ -116,7 +116,7 @@ class GPTConfig:
     # vector mode (the least-squares task): float inputs and outputs instead of tokens
     in_features: int | None = None
     out_features: int | None = None
-    embed_fan_in: int | None = None  # non-zero input features per token (seed 004: 7)
+    embed_fan_in: int | None = None  # non-zero input features per token (Bir et al.: 7)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -171,7 +171,7 @@ def check_config(c: GPTConfig) -> None:
 
 
 class HeadwiseRMSNorm(nn.Module):
-    """Seed 003's anisotropic, head-aligned normalization, as we read it.
+    """The anisotropic, head-aligned LayerNorm proposed by the geometric account of LN/MHA/FFN, as we read it.
 
     The paper proposes normalizing on a product of per-head spheres instead of one sphere; it
     gives no reference implementation. Here: split the vector into n_head contiguous groups
@@ -216,7 +216,7 @@ def combine_coefficients(rule: str, j: int, n_layer: int) -> tuple[float, float]
         return math.sqrt(j / (j + 1)), 1.0 / math.sqrt(j + 1)
     if rule == "deepnorm":  # DeepNet: alpha = (2L)^(1/4) for a decoder-only model
         return (2 * n_layer) ** 0.25, 1.0
-    if rule == "convex":  # seed 004 §4.3: x <- (L-1)/L x + block(x)/L
+    if rule == "convex":  # Bir et al. §4.3: x <- (L-1)/L x + block(x)/L
         return (n_layer - 1) / n_layer, 1.0 / n_layer
     raise ValueError(f"combine={rule!r} has no linear coefficients")
 
@@ -249,7 +249,7 @@ def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
 
 
 class GeodesicStep(nn.Module):
-    """GeoNorm's residual update (seed 000 eq. 5): move x along the sphere of radius ||x||
+    """GeoNorm's residual update (eq. 5): move x along the sphere of radius ||x||
     in the direction of the sub-layer output s, by an angle that is clamped and decays with depth.
 
         v      = s - (<x,s> / ||x||^2) x              tangent component of s at x
@@ -303,7 +303,7 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
 
 
 class GainLinear(nn.Linear):
-    """A linear map followed by a learnable diagonal gain clamped to [1e-3, cap] (seed 004 §6.2)."""
+    """A linear map followed by a learnable diagonal gain clamped to [1e-3, cap] (Bir et al. §6.2)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cap: float):
         super().__init__(in_features, out_features, bias=bias)
@@ -344,7 +344,7 @@ class CausalSelfAttention(nn.Module):
         qk_norm = config.scheme.qk_norm  # DNT eq. 10: gamma * sqrt(d_h) * q / ||q||
         self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
-        lipschitz_scale = config.scheme.attn_scale == "1/d"  # seed 004 §4.3
+        lipschitz_scale = config.scheme.attn_scale == "1/d"  # Bir et al. §4.3
         self.scale = 1.0 / self.head_dim if lipschitz_scale else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.dropout
         self.rope = config.pos == "rope"
@@ -459,7 +459,7 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         if self.config.vector_mode and module is self.wte:
-            # seed 004 §4.3: N(0, 1/s) with s non-zero input features, so embedded RMS ~ 1
+            # Bir et al. §4.3: N(0, 1/s) with s non-zero input features, so embedded RMS ~ 1
             fan_in = self.config.embed_fan_in or self.config.in_features
             nn.init.normal_(module.weight, mean=0.0, std=fan_in**-0.5)
 
@@ -476,7 +476,7 @@ class GPT(nn.Module):
             # DeepNet (decoder-only): beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1
             beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
             nn.init.xavier_normal_(weight, gain=beta)
-        elif init == "orthogonal":  # seed 004 §4.3: every hidden matrix starts orthonormal
+        elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
             nn.init.orthogonal_(weight)
 
     # ---- forward
@@ -546,7 +546,7 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def block_activation_rms(model: GPT, inputs: torch.Tensor) -> list[float]:
-    """RMS of the residual stream after each block (seed 004 Fig. 3), from one forward pass."""
+    """RMS of the residual stream after each block (Bir et al. Fig. 3), from one forward pass."""
     rms: list[torch.Tensor] = []
     hooks = [b.register_forward_hook(lambda m, i, out: rms.append(out.float().square().mean()))
              for b in model.blocks]

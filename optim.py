@@ -13,10 +13,10 @@ Parameters are routed by `split_params` (the one routing rule of the codebase): 
 gains, biases and scalars are "other" parameters; weight decay applies to >=2-D ones only.
 
 - AdamW: `torch.optim.AdamW` (fused on CUDA).
-- SGDW: momentum SGD with decoupled weight decay, DNT's mSGDW (seed 002, App. C).
+- SGDW: momentum SGD with decoupled weight decay, DNT's mSGDW (DNT App. C).
 - Muon: orthogonalized momentum for matrices (Keller Jordan's Muon; `torch.optim.Muon` gives
   the same matrix update), AdamW for the other parameters, inside one object.
-- ManifoldMuon: matrices constrained to the Stiefel manifold, online dual ascent (seed 004
+- ManifoldMuon: matrices constrained to the Stiefel manifold, online dual ascent (Bir et al.
   §3.1, App. 8.1), AdamW for the other parameters.
 
 Two orthogonalizations live here. `zeropower_newton_schulz` is Muon's: 5 quintic steps in
@@ -114,7 +114,7 @@ def msign(G: Tensor, steps: int = 10) -> Tensor:
 
 
 class SGDW(Optimizer):
-    """Momentum SGD with decoupled weight decay: DNT's mSGDW (seed 002 §4.2, App. C; timm's SGDW).
+    """Momentum SGD with decoupled weight decay: DNT's mSGDW (DNT §4.2, App. C; timm's SGDW).
 
         buf <- mu * buf + g                     (dampening 0)
         d   <- g + mu * buf  if nesterov else buf
@@ -314,7 +314,7 @@ MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")
 
 
 class Muon(_MatrixAndAdamW):
-    """Muon for matrix parameters, AdamW for the others, in one optimizer (SPEC §3).
+    """Muon for matrix parameters, AdamW for the others, in one optimizer.
 
     For a matrix W (rows x cols) with gradient g, Keller Jordan's Muon:
 
@@ -326,7 +326,7 @@ class Muon(_MatrixAndAdamW):
 
     This is torch.optim.Muon's update for the same settings (tests compare them). "adamw"
     groups use adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay unless they set their own.
-    Seed 004 used Muon with lr 1e-3, wd 0.01, mu 0.95.
+    Bir et al. used Muon with lr 1e-3, wd 0.01, mu 0.95.
     """
 
     def __init__(
@@ -362,7 +362,7 @@ class Muon(_MatrixAndAdamW):
 
 
 class ManifoldMuon(_MatrixAndAdamW):
-    """Manifold Muon with online dual ascent (seed 004 §3.1, App. 8.1; SPEC §3), AdamW for the
+    """Manifold Muon with online dual ascent (Bir et al. §3.1, App. 8.1), AdamW for the
     other parameters, in one optimizer.
 
     Each matrix, made tall (n x k, n >= k) by transposing if it is wide, lives on the Stiefel
@@ -370,7 +370,7 @@ class ManifoldMuon(_MatrixAndAdamW):
     (Muon's momentum, see `_momentum_direction`) rescaled to ||G||_F = sqrt(k), one step is
 
         first step only: W <- msign(W);  Lambda <- -1/4 (W^T G + G^T W)
-        repeat dual_steps:   A = msign(G + 2 W Lambda)      (seed 004 §3.1, step 2)
+        repeat dual_steps:   A = msign(G + 2 W Lambda)      (Bir et al. §3.1, step 2)
                              H = W^T A + A^T W              (tangent-space violation)
                              Lambda <- Lambda - alpha H     (App. 8.1, "Lambda = Lambda - alpha H")
         A = msign(G + 2 W Lambda)
@@ -387,7 +387,7 @@ class ManifoldMuon(_MatrixAndAdamW):
       (||H||_2 <= 2 whatever G's scale): with the raw gradient the useful alpha would move with
       the loss scale, batch size, clipping and k. Rescaled, alpha is a fraction of G's typical
       singular value, and Lambda stays comparable across steps as the gradient shrinks.
-    - alpha = dual_lr = 0.01, the dual step in seed 004's released code (there annealed as
+    - alpha = dual_lr = 0.01, the dual step in Bir et al.'s released code (there annealed as
       alpha (1 - j/J) over J = 50 inner steps, with Lambda re-initialized at every call; here
       constant and carried). With W frozen and a well-conditioned G the residual ||H|| falls to
       ~0 (tests); where G + 2 W Lambda has singular values small compared with alpha the ascent
@@ -396,9 +396,9 @@ class ManifoldMuon(_MatrixAndAdamW):
       Lambda from the current W and G at every step, as that code does (for square W this
       initialization is exact: A is tangent).
     - No weight decay on matrices: msign(c W) = msign(W), so a shrink of W is undone by the
-      retraction (seed 004 Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
+      retraction (Bir et al. Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
     - lr is used as is (no rows/cols scaling as in Muon): the retraction sets the scale.
-    Seed 004's settings: lr 0.1-0.2, mu 0.95, grad clip 1.0; others AdamW lr 0.01, betas
+    Bir et al.'s settings: lr 0.1-0.2, mu 0.95, grad clip 1.0; others AdamW lr 0.01, betas
     (0.9, 0.98), wd 0.01.
     """
 
@@ -452,7 +452,7 @@ class ManifoldMuon(_MatrixAndAdamW):
         steps = group["msign_steps"]
         with _ieee_float32_matmul():
             if first_step:
-                W = msign(W, steps)  # start on the manifold (SPEC §3: weights start orthogonal)
+                W = msign(W, steps)  # start on the manifold (weights start orthogonal)
             if first_step or group["dual_reset"]:
                 WtG = W.mT @ G
                 dual = -0.25 * (WtG + WtG.mT)  # symmetric by construction
@@ -473,7 +473,7 @@ class ManifoldMuon(_MatrixAndAdamW):
 
 
 def split_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """Route every trainable parameter to exactly one of three lists (SPEC §3):
+    """Route every trainable parameter to exactly one of three lists:
 
     "matrix":   weights of the nn.Linear layers inside `model.blocks` (attention, MLP);
     "decay":    every other >=2-D parameter (embeddings, output head);

@@ -27,6 +27,9 @@ non-finite loss or parameter; metrics.jsonl then ends with {"kind": "status", "s
 Every rank reaches that verdict from all-reduced values, so all stop together (torchrun itself
 then exits 1 and names exit code 3 as the root cause). The step loop has no extra host sync: the
 first non-finite iteration is kept on the device and read at log and eval iterations.
+With skip_nonfinite=N a batch whose loss is not finite is skipped instead (no update, as in Bir et
+al.'s training loop; this costs one host sync per step), up to N times before the run counts as
+diverged; non-finite parameters still stop it at once.
 
 Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
 and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
@@ -85,7 +88,7 @@ class TrainConfig:
     log_grad_stats: bool = False  # per-parameter gradient norms and the tail of |g| (DNT Fig. 1)
     log_geonorm_angles: bool = False  # GeoNorm's applied angle theta' per residual update
     # data
-    task: str = "lm"  # "lm" (next-token prediction) or "icl" (seed 004's least-squares task)
+    task: str = "lm"  # "lm" (next-token prediction) or "icl" (Bir et al.'s least-squares task)
     dataset: str = "shakespeare_char"
     compact_vocab: bool = False  # output only the token ids the dataset uses (small corpora: a cheaper head)
     data_dir: str = "data"
@@ -109,6 +112,7 @@ class TrainConfig:
     ns_steps: int = 5  # muon: Newton-Schulz steps
     adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
     grad_clip: float = 1.0  # 0 disables
+    skip_nonfinite: int = 0  # drop the update of up to this many batches with a non-finite loss; 0: the first stops
     decay_lr: bool = True
     lr_schedule: str = "cosine"  # after warmup: "cosine" to min_lr (nanoGPT), or "wsd": flat, then linear
     warmup_iters: int = 100
@@ -217,7 +221,7 @@ def check_train_config(cfg: TrainConfig) -> None:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
-                "grad_clip", "min_lr", "weight_decay"):
+                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
     if not cfg.learning_rate > 0:  # the schedule divides by it
@@ -473,7 +477,7 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
     """Linear warmup, then down to min_lr/learning_rate at lr_decay_iters, and flat after it.
 
     cosine: nanoGPT's cosine decay over [warmup_iters, lr_decay_iters].
-    wsd: warmup, stable, decay (seed 004's schedule: 2% warmup, constant, linear decay over the
+    wsd: warmup, stable, decay (Bir et al.'s schedule: 2% warmup, constant, linear decay over the
     last 10%): flat until lr_decay_iters - cooldown_iters, then linear to the floor.
     """
     if not cfg.decay_lr:
@@ -578,7 +582,7 @@ def gradient_statistics(model: GPT, grad_scale: float = 1.0) -> dict:
 
 @torch.no_grad()
 def geonorm_angles(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
-    """GeoNorm's applied angle theta' (seed 000 eq. 5) of each residual update on one batch, mean
+    """GeoNorm's applied angle theta' (GeoNorm eq. 5) of each residual update on one batch, mean
     and max over tokens: geonorm_theta_{attn,mlp}_{mean,max}, one value per layer."""
     stats: dict[str, list] = {f"geonorm_theta_{u}_{s}": [] for u in ("attn", "mlp") for s in ("mean", "max")}
 
@@ -667,7 +671,7 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
         out[f"{split}_loss"] = (total[0] / total[1]).item()
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
-    # residual-stream RMS after each block on one val batch (seed 004 Fig. 3)
+    # residual-stream RMS after each block on one val batch (Bir et al. Fig. 3)
     out["block_rms"] = block_activation_rms(raw_model, val_inputs(task))
     model.train()
     return out
@@ -731,6 +735,7 @@ def train(argv: list[str]) -> int:
         model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None)
 
     start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
+    skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # batches whose update was dropped
     best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
     wandb_run = None
     if cfg.wandb_log and ddp.master:
@@ -756,7 +761,7 @@ def train(argv: list[str]) -> int:
         return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val,
                 "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
-                **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
+                "skipped_steps": skipped, **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
 
     # the first iteration with a non-finite training loss, kept on the device: no sync per step
     first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
@@ -766,6 +771,7 @@ def train(argv: list[str]) -> int:
             metrics = evaluate(model, raw_model, task, ddp, autocast)
             # never save a checkpoint from non-finite state; all ranks agree
             finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())  # the model's own
+            finite = finite or cfg.skip_nonfinite > 0  # when skipping, only non-finite state stops the run
             if all_ranks(torch.tensor(float(not finite or bool(nonfinite_state(raw_model, optimizer))),
                                       device=device), ddp).item():
                 return report_divergence(log, ddp, iter_num, "non-finite eval loss or state", raw_model, optimizer,
@@ -796,13 +802,20 @@ def train(argv: list[str]) -> int:
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * mult
         loss_sum = forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
-        first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
-        if cfg.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        if cfg.skip_nonfinite and not all_ranks(loss_sum.isfinite().float(), ddp, dist.ReduceOp.MIN).item():
+            optimizer.zero_grad(set_to_none=True)  # drop this batch's update (Bir et al.'s loop); a sync per step
+            skipped += 1
+            if skipped > cfg.skip_nonfinite:
+                return report_divergence(log, ddp, iter_num + 1, f"more than {cfg.skip_nonfinite} non-finite losses "
+                                         "skipped", raw_model, optimizer, model_inputs(task.train_batch(iter_num, 0)))
+        else:
+            first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         iters_since_log += 1
 
@@ -821,7 +834,8 @@ def train(argv: list[str]) -> int:
                 print(f"iter {iter_num}: loss {lossf:.4f}, lr {optimizer.param_groups[0]['lr']:.3g}, "
                       f"{dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {100 * mfu:.1f}%")
                 log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"],
-                          ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=mfu)
+                          ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=mfu,
+                          **({"skipped": skipped} if cfg.skip_nonfinite else {}))
 
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)

@@ -1,4 +1,4 @@
-# GeoNorm, harmonic decay, clamp pi/4 (seed 000 eq. 5), on char-level Shakespeare; 2-core CPU, a few minutes.
+# GeoNorm, harmonic decay, clamp pi/4 (eq. 5), on char-level Shakespeare; 2-core CPU, a few minutes.
 from configs.cpu_base import *  # noqa: F403
 
 norm_scheme = "geonorm"

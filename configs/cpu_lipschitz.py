@@ -1,4 +1,4 @@
-# the Lipschitz norm-free block (seed 004 §4.3): convex residual, 1/3 scalings, orthogonal init, on char-level Shakespeare; 2-core CPU, a few minutes.
+# the Lipschitz norm-free block (Bir et al. §4.3): convex residual, 1/3 scalings, orthogonal init, on char-level Shakespeare; 2-core CPU, a few minutes.
 from configs.cpu_base import *  # noqa: F403
 
 norm_scheme = "lipschitz"

@@ -1,4 +1,4 @@
-# GeoNorm 125M (seed 000 App. A): harmonic decay, clamp pi/4, 12 layers, d 768, seq 512.
+# GeoNorm 125M (App. A): harmonic decay, clamp pi/4, 12 layers, d 768, seq 512.
 # The paper trained on Arxiv and Books3 (losses 1.8792 / 3.4040) and on FineWeb-Edu for its
 # larger runs; Arxiv/Books3 are not openly distributable, so the default here is FineWeb-Edu
 # (python prepare_data.py fineweb_edu). Expects 8 GPUs: torchrun --nproc_per_node=8.

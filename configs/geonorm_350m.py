@@ -1,4 +1,4 @@
-# GeoNorm 350M (seed 000 App. A): 24 layers, 16 heads, d 1024, lr 3e-4, otherwise as 125M.
+# GeoNorm 350M (App. A): 24 layers, 16 heads, d 1024, lr 3e-4, otherwise as 125M.
 # Default data: FineWeb-Edu (python prepare_data.py fineweb_edu). Expects 8 GPUs.
 from configs.geonorm_125m import *  # noqa: F403
 

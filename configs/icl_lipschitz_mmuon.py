@@ -1,4 +1,4 @@
-# Seed 004 Table 2 (Manifold Muon row, loss 1.96396): 15 norm-free Lipschitz blocks on in-context least squares, 20k steps; one GPU.
+# Bir et al. Table 2 (Manifold Muon row, loss 1.96396): 15 norm-free Lipschitz blocks on in-context least squares, 20k steps; one GPU.
 # Manifold Muon on the hidden matrices (Stiefel manifold, online dual ascent, §3.1/App. 8.1):
 # lr 0.1, momentum 0.95, no weight decay on matrices (Table 2 "N/A"), grad clip 1.0. The other
 # parameters (embedding, head) use AdamW lr 0.01, betas (0.9, 0.98), wd 0.01 (released code).

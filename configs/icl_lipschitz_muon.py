@@ -1,4 +1,4 @@
-# Seed 004 Table 2 (Muon row, loss 0.75127): 15 norm-free Lipschitz blocks on in-context least squares, 3k steps; one GPU.
+# Bir et al. Table 2 (Muon row, loss 0.75127): 15 norm-free Lipschitz blocks on in-context least squares, 3k steps; one GPU.
 # Muon on the hidden matrices: lr 1e-3, wd 0.01, momentum 0.95 (Nesterov), 5 Newton-Schulz steps,
 # torch.optim.Muon's "original" update scale (what the released code runs). The AdamW side
 # (embedding, head) uses lr 1e-3, betas (0.9, 0.999) as in the released code; its weight decay

@@ -1,4 +1,4 @@
-# CPU version of icl_lipschitz_mmuon.py (seed 004 Table 2, Manifold Muon row): 15 Lipschitz blocks, d 64, T 16, batch 64, 900 steps; 2-core CPU, about 5 minutes.
+# CPU version of icl_lipschitz_mmuon.py (Bir et al. Table 2, Manifold Muon row): 15 Lipschitz blocks, d 64, T 16, batch 64, 900 steps; 2-core CPU, about 5 minutes.
 # The paper's settings are kept (spectral steps carry over across widths): matrices lr 0.1 on the
 # Stiefel manifold, momentum 0.95, grad clip 1.0; embedding and head AdamW lr 0.01, betas
 # (0.9, 0.98), wd 0.01. The paper trains this optimizer 20k steps (a long plateau, §5.3);

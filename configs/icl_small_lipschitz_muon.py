@@ -1,4 +1,4 @@
-# CPU version of icl_lipschitz_muon.py (seed 004 Table 2, Muon row): 15 Lipschitz blocks, d 64, T 16, batch 64, 900 steps; 2-core CPU, about 5 minutes.
+# CPU version of icl_lipschitz_muon.py (Bir et al. Table 2, Muon row): 15 Lipschitz blocks, d 64, T 16, batch 64, 900 steps; 2-core CPU, about 5 minutes.
 # Muon's lr is a spectral-norm step, meant to carry over across widths, so the paper's values
 # are kept: matrices lr 1e-3 (wd 0.01, momentum 0.95), embedding and head AdamW lr 1e-3.
 # x10 robustness run: --matrix_lr=0.01 --learning_rate=0.01

@@ -1,4 +1,4 @@
-"""Tests for the in-context least-squares task (icl_task.py, seed 004 §4.1).
+"""Tests for the in-context least-squares task (icl_task.py, Bir et al. §4.1).
 
 Statistical checks use a 5-sigma tolerance computed from the sample size, so a correct
 implementation fails about once in 10^6 runs; all seeds are fixed, so runs are reproducible.

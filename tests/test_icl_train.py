@@ -1,4 +1,4 @@
-"""train.py with task="icl": seed 004's least-squares task trains end to end and logs what it should.
+"""train.py with task="icl": Bir et al.'s least-squares task trains end to end and logs what it should.
 
 One small Lipschitz model is trained once for the module and its metrics.jsonl is read by several
 tests. The 2-rank vs 1-rank equivalence is a property of train.py's batch indexing, shared by both
@@ -10,8 +10,10 @@ import math
 import os
 
 import pytest
+import torch
 
 import train
+from model import GPT, GPTConfig
 
 D = 5
 ZERO_PREDICTOR_LOSS = D  # E||y||^2 with y = x W, x ~ N(0, I), W ~ N(0, 1/D)
@@ -86,7 +88,7 @@ def test_icl_eval_lines_hold_split_losses_baselines_and_block_rms(icl_run):
 
 
 def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
-    """Seed 004 §5.1: 15 blocks of x + f(x) with orthogonal init and no norm overflow in the first
+    """Bir et al. §5.1: 15 blocks of x + f(x) with orthogonal init and no norm overflow in the first
     forward pass. The RMS after block l grows roughly like r <- r + c r^2 (SwiGLU is quadratic),
     so it passes 1e38 by block ~8 at any width; train.py exits 3 before a single step."""
     out = str(tmp_path / "none")
@@ -94,3 +96,23 @@ def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
     assert train.train(args) == train.EXIT_DIVERGED
     status = read_metrics(out)[-1]
     assert status["kind"] == "status" and status["status"] == "diverged" and status["iter"] == 0
+
+
+def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path):
+    """skip_nonfinite=N drops the update of a batch whose loss is not finite (Bir et al.'s training loop),
+    up to N times. The plain residual overflows on every batch, so every step is dropped."""
+    out = str(tmp_path / "skip")
+    none = dict(norm_scheme="none", n_layer=15, batch_size=8, icl_eval_batches=1, log_interval=1)
+    assert train.train(run_args(out, **none, max_iters=3, eval_interval=3, skip_nonfinite=5)) == 0
+    records = read_metrics(out)
+    assert [r["skipped"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    assert not math.isfinite(eval_records(records)[-1]["val_loss"])  # logged, but not a divergence
+    checkpoint = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    torch.manual_seed(SETTINGS["seed"])  # train.py builds the model right after seeding
+    initial = GPT(GPTConfig(**checkpoint["model_args"])).state_dict()
+    assert all(torch.equal(initial[k], v) for k, v in checkpoint["model"].items())
+    # one more than allowed is a divergence, reported at the iteration of the step that was not taken
+    out = str(tmp_path / "too_many")
+    assert train.train(run_args(out, **none, max_iters=6, eval_interval=6, skip_nonfinite=2)) == train.EXIT_DIVERGED
+    status = read_metrics(out)[-1]
+    assert status["status"] == "diverged" and status["iter"] == 3 and "more than 2" in status["reason"]

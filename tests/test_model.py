@@ -68,7 +68,7 @@ def test_vector_mode_maps_float_vectors_to_vectors():
     out, loss = model(torch.randn(3, 10, 13))
     assert out.shape == (3, 10, 5) and loss is None
     assert model.wte.bias is None and model.wpe is None
-    # seed 004 §4.3: embedding entries ~ N(0, 1/7); 32*13 samples -> std within 15%
+    # Bir et al. §4.3: embedding entries ~ N(0, 1/7); 32*13 samples -> std within 15%
     assert abs(model.wte.weight.std().item() - 7**-0.5) < 0.15 * 7**-0.5
 
 
@@ -295,7 +295,7 @@ def test_qk_norm_gives_unit_rms_queries():
 
 
 def lsq_config(scheme: str, **kw) -> GPTConfig:
-    """Seed 004's vector model, narrower: 15 blocks, SwiGLU, RoPE, no biases."""
+    """Bir et al.'s vector model, narrower: 15 blocks, SwiGLU, RoPE, no biases."""
     return GPTConfig(block_size=32, n_layer=15, n_head=4, n_embd=64, norm_scheme=scheme, mlp="swiglu",
                      pos="rope", bias=False, in_features=13, out_features=5, embed_fan_in=7, **kw)
 
@@ -315,7 +315,7 @@ def test_lipschitz_model_has_no_norms_and_orthogonal_matrices():
                     gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
                     torch.testing.assert_close(gram, torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5, rtol=0)
                     n_checked += 1
-        assert block.attn.sublayer.scale == pytest.approx(1 / 16)  # 1/head_dim, seed 004 §4.3
+        assert block.attn.sublayer.scale == pytest.approx(1 / 16)  # 1/head_dim, Bir et al. §4.3
     assert n_checked == 15 * 7
 
 

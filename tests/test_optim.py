@@ -254,7 +254,7 @@ def test_manifold_muon_stays_on_stiefel(shape):
     for _ in range(100):
         p.grad = torch.randn(shape)
         optimizer.step()
-        # SPEC §3 bound; msign converges to float32 rounding, measured <= 4e-7.
+        # the bound asked for; msign converges to float32 rounding, measured <= 4e-7.
         assert stiefel_error(p) <= 1e-3
         dual = optimizer.state[p]["dual"]
         assert dual.shape == (min(shape), min(shape))

@@ -156,7 +156,7 @@ def test_cosine_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_wsd_schedule_is_flat_then_decays_linearly_over_the_cooldown():
-    # seed 004: 2% warmup, constant, linear decay to 0 over the last 10%
+    # Bir et al.: 2% warmup, constant, linear decay to 0 over the last 10%
     cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.0, lr_schedule="wsd", warmup_iters=20,
                             lr_decay_iters=1000, cooldown_iters=100)
     mult = [train.lr_multiplier(cfg, it) for it in range(1001)]
