@@ -5,6 +5,7 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --grid learning_rate=1e-3,2e-3 \\
         --set max_iters=200 --set lr_decay_iters=200 --out_root out/lr_sweep --baseline norm_scheme=pre
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --dry_run   # print the commands
+    python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
@@ -89,7 +90,8 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
     for point in expand_grid(grid, seeds):
         out_dir = os.path.join(out_root, run_name(point))
         argv = [config] if config else []
-        argv += [f"--{k}={v}" for k, v in {**(fixed or {}), **point}.items()] + [f"--out_dir={out_dir}"]
+        settings = {key: v for k, v in {**(fixed or {}), **point}.items() for key in k.split("+")}  # a+b: tied
+        argv += [f"--{k}={v}" for k, v in settings.items()] + [f"--out_dir={out_dir}"]
         try:
             cfg, _ = train.load_config(argv)  # checks every key and value before anything runs
         except train.ConfigError as e:
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="a train.py config file, e.g. configs/cpu_base.py")
     parser.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
-                        help="values to sweep (repeatable; the runs are every combination)")
+                        help="values to sweep (repeatable; the runs are every combination); KEY1+KEY2=V1,V2 "
+                        "gives both keys the same value, e.g. learning_rate+matrix_lr=1e-3,1e-2")
     parser.add_argument("--seeds", help="comma-separated seeds, e.g. 1,2,3 (default: the config's seed)")
     parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                         help="a setting for every run (repeatable)")

@@ -58,6 +58,14 @@ def test_expand_grid_covers_every_combination_then_every_seed():
     assert sweep.expand_grid({"norm": ["layernorm"]}) == [{"norm": "layernorm"}]
 
 
+def test_tied_grid_keys_take_the_same_value(data_dir, tmp_path):
+    jobs = sweep.plan_runs(CONFIG, {"learning_rate+min_lr": ["1e-3", "2e-3"]}, None, tiny_settings(data_dir),
+                           str(tmp_path))
+    assert [job["point"] for job in jobs] == [{"learning_rate+min_lr": "1e-3"}, {"learning_rate+min_lr": "2e-3"}]
+    assert {"--learning_rate=2e-3", "--min_lr=2e-3"} <= set(jobs[1]["argv"])
+    assert "--learning_rate=1e-3" not in jobs[1]["argv"]  # the grid value replaces the --set one
+
+
 def test_auto_jobs_give_one_run_all_cores_unless_runs_get_fewer_threads():
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert sweep.parallelism("auto", None) == (1, cores)
