@@ -59,7 +59,9 @@ def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
     """{run name: "key=value, ..."} over the keys whose values differ between the runs' configs.
     A run without a config, or runs that differ in nothing, are labelled by their name's last part."""
     configs = {name: cfg for name, cfg in runs.items() if cfg is not None}
-    keys = list(dict.fromkeys(k for cfg in configs.values() for k in cfg if k not in IGNORED_FLAGS))
+    # keys every config has: a checkpoint from an older version lacks newer keys, which it ran at their default
+    keys = [k for k in dict.fromkeys(k for cfg in configs.values() for k in cfg)
+            if k not in IGNORED_FLAGS and all(k in cfg for cfg in configs.values())]
     differ = [k for k in keys if len({repr(cfg.get(k)) for cfg in configs.values()}) > 1]
     labels = {}
     for name, cfg in runs.items():
@@ -127,6 +129,7 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
         if not records:
             raise SystemExit(f"error: {d} has no metrics.jsonl; pass the out_dir of a train.py run")
     labels = differing_flags({d: run_config(d) for d in out_dirs})
+    long_labels = len(runs) > 1 and max(len(label) for label in labels.values()) > 40
     ncols = min(len(metrics), 3)
     nrows = math.ceil(len(metrics) / ncols)
     fig = Figure(figsize=(5.5 * ncols, 3.8 * nrows), layout="constrained")
@@ -140,7 +143,10 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if not long_labels:
+            ax.legend(fontsize="small")
+    if long_labels:  # one legend for all panels, under them
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize="small")
     if any(diverged_at(records) is not None for records in runs.values()):
         fig.suptitle("x: where the run diverged (its status line)", fontsize="small")
     return fig

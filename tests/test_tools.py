@@ -158,6 +158,9 @@ def test_differing_flags_name_only_the_flags_that_differ():
                                           "out/no_checkpoint": "no_checkpoint"}
     same = {"out/a": {"n_layer": 4}, "out/b/": {"n_layer": 4}}
     assert plot.differing_flags(same) == {"out/a": "a", "out/b/": "b"}  # nothing differs: the names
+    # a checkpoint from before a key existed lacks it: not a difference to label
+    older = {"out/a": {"n_layer": 4}, "out/b": {"n_layer": 6, "skip_nonfinite": 0}}
+    assert plot.differing_flags(older) == {"out/a": "n_layer=4", "out/b": "n_layer=6"}
 
 
 def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_root, tmp_path):
