@@ -44,15 +44,23 @@ def load_metrics(out_dir: str) -> list[dict]:
 
 
 def run_config(out_dir: str) -> dict | None:
-    """The model and training settings saved in out_dir/ckpt.pt, model keys first; None without one."""
+    """The model and training settings saved in out_dir/ckpt.pt, model keys first, and under "scheme" the
+    primitives the run's scheme used; None without one."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
         return None
     import torch
 
+    from model import GPTConfig
+
     # mmap: only the two small dicts are read, not the weights and optimizer state
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {**ckpt.get("model_args", {}), **ckpt.get("config", {})}
+    model_args = ckpt.get("model_args", {})
+    try:  # the scheme's primitives as the run used them (an override left at None takes the row's value)
+        scheme = GPTConfig(**model_args).scheme._asdict()
+    except (TypeError, ValueError):  # a checkpoint from another version of model.py
+        scheme = {}
+    return {**model_args, **ckpt.get("config", {}), "scheme": scheme}
 
 
 def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
@@ -61,12 +69,16 @@ def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
     configs = {name: cfg for name, cfg in runs.items() if cfg is not None}
     # keys every config has: a checkpoint from an older version lacks newer keys, which it ran at their default
     keys = [k for k in dict.fromkeys(k for cfg in configs.values() for k in cfg)
-            if k not in IGNORED_FLAGS and all(k in cfg for cfg in configs.values())]
+            if k not in (*IGNORED_FLAGS, "scheme") and all(k in cfg for cfg in configs.values())]
     differ = [k for k in keys if len({repr(cfg.get(k)) for cfg in configs.values()}) > 1]
+
+    def value(cfg: dict, key: str) -> object:  # a primitive override left at None shows the scheme's value
+        return cfg.get("scheme", {}).get(key) if cfg[key] is None and key in cfg.get("scheme", {}) else cfg[key]
+
     labels = {}
     for name, cfg in runs.items():
         short = os.path.basename(os.path.normpath(name))
-        labels[name] = ", ".join(f"{k}={cfg.get(k)}" for k in differ) if cfg is not None and differ else short
+        labels[name] = ", ".join(f"{k}={value(cfg, k)}" for k in differ) if cfg is not None and differ else short
     return labels
 
 

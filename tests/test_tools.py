@@ -158,6 +158,9 @@ def test_differing_flags_name_only_the_flags_that_differ():
                                           "out/no_checkpoint": "no_checkpoint"}
     same = {"out/a": {"n_layer": 4}, "out/b/": {"n_layer": 4}}
     assert plot.differing_flags(same) == {"out/a": "a", "out/b/": "b"}  # nothing differs: the names
+    # a primitive overridden in one run only: the other run shows its scheme's value, not None
+    ablation = {"out/a": {"qk_norm": None, "scheme": {"qk_norm": True}}, "out/b": {"qk_norm": False}}
+    assert plot.differing_flags(ablation) == {"out/a": "qk_norm=True", "out/b": "qk_norm=False"}
     # a checkpoint from before a key existed lacks it: not a difference to label
     older = {"out/a": {"n_layer": 4}, "out/b": {"n_layer": 6, "skip_nonfinite": 0}}
     assert plot.differing_flags(older) == {"out/a": "n_layer=4", "out/b": "n_layer=6"}
