@@ -27,9 +27,10 @@ non-finite loss or parameter; metrics.jsonl then ends with {"kind": "status", "s
 Every rank reaches that verdict from all-reduced values, so all stop together (torchrun itself
 then exits 1 and names exit code 3 as the root cause). The step loop has no extra host sync: the
 first non-finite iteration is kept on the device and read at log and eval iterations.
-With skip_nonfinite=N a batch whose loss is not finite is skipped instead (no update, as in Bir et
-al.'s training loop; this costs one host sync per step), up to N times before the run counts as
-diverged; non-finite parameters still stop it at once.
+With skip_nonfinite=N a batch whose loss or gradient is not finite is skipped instead (no update,
+as in Bir et al.'s training loop, which checks the loss; a finite loss can still back-propagate an
+overflow, so the gradient norm is checked too; one host sync per step), up to N times before the
+run counts as diverged; non-finite parameters still stop it at once.
 
 Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
 and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
@@ -112,7 +113,7 @@ class TrainConfig:
     ns_steps: int = 5  # muon: Newton-Schulz steps
     adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
     grad_clip: float = 1.0  # 0 disables
-    skip_nonfinite: int = 0  # drop the update of up to this many batches with a non-finite loss; 0: the first stops
+    skip_nonfinite: int = 0  # drop the update of up to this many non-finite batches (loss or gradient); 0: stop
     decay_lr: bool = True
     lr_schedule: str = "cosine"  # after warmup: "cosine" to min_lr (nanoGPT), or "wsd": flat, then linear
     warmup_iters: int = 100
@@ -677,6 +678,16 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
     return out
 
 
+def batch_is_finite(loss_sum: torch.Tensor, grad_norm: torch.Tensor, scaler) -> torch.Tensor:
+    """1.0 when the batch's loss and gradients are finite, else 0.0. A finite loss can still back-propagate
+    an overflow; its update would put inf or NaN into the weights. (fp16's loss scaler skips such
+    steps itself and lowers its scale, so there only the loss counts.)"""
+    finite = loss_sum.isfinite()
+    if not scaler.is_enabled():
+        finite = finite & grad_norm.isfinite()
+    return finite.float()
+
+
 def first_nonfinite_iter(first_bad: torch.Tensor, ddp: Dist) -> int | None:
     """The earliest iteration, over all ranks, whose training loss was not finite (one host sync)."""
     it = int(all_ranks(first_bad, ddp, dist.ReduceOp.MIN).item())
@@ -802,17 +813,21 @@ def train(argv: list[str]) -> int:
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * mult
         loss_sum = forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
-        if cfg.skip_nonfinite and not all_ranks(loss_sum.isfinite().float(), ddp, dist.ReduceOp.MIN).item():
+        grad_norm = None
+        if cfg.grad_clip > 0 or cfg.skip_nonfinite:
+            scaler.unscale_(optimizer)  # max_norm inf: the norm only, the gradients are left as they are
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), ddp,
+                                                dist.ReduceOp.MIN).item():
             optimizer.zero_grad(set_to_none=True)  # drop this batch's update (Bir et al.'s loop); a sync per step
+            if scaler.is_enabled():
+                scaler.update()  # closes the unscale_ above (and lowers the fp16 loss scale)
             skipped += 1
             if skipped > cfg.skip_nonfinite:
                 return report_divergence(log, ddp, iter_num + 1, f"more than {cfg.skip_nonfinite} non-finite losses "
                                          "skipped", raw_model, optimizer, model_inputs(task.train_batch(iter_num, 0)))
         else:
             first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
-            if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

@@ -33,7 +33,8 @@ beta2 = 0.999
 weight_decay = 0.01
 grad_clip = 0.0
 # the authors' training loop drops the update of a batch whose loss is not finite and goes on;
-# here up to 100 such batches, then the run counts as diverged (0 would stop at the first)
+# here also one whose gradient is not finite (a finite loss can back-propagate an overflow), up to
+# 100 such batches, then the run counts as diverged (0 would stop at the first)
 skip_nonfinite = 100
 # schedule (§4.4: 3k steps for AdamW and Muon)
 max_iters = 3000

@@ -116,3 +116,24 @@ def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path):
     assert train.train(run_args(out, **none, max_iters=6, eval_interval=6, skip_nonfinite=2)) == train.EXIT_DIVERGED
     status = read_metrics(out)[-1]
     assert status["status"] == "diverged" and status["iter"] == 3 and "more than 2" in status["reason"]
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 1.0])
+def test_a_finite_loss_with_a_nonfinite_gradient_is_skipped(tmp_path, monkeypatch, grad_clip):
+    """A loss can be finite while its backward overflows; with skip_nonfinite that batch is dropped too,
+    instead of putting NaN into the weights (which would end the run as diverged at the next check)."""
+    forward_backward = train.forward_backward
+
+    def overflow_on_iteration_1(model, task, ddp, accum, iter_num, *args):
+        loss = forward_backward(model, task, ddp, accum, iter_num, *args)
+        if iter_num == 1:
+            next(model.parameters()).grad[0] = float("inf")
+        return loss
+
+    monkeypatch.setattr(train, "forward_backward", overflow_on_iteration_1)
+    out = str(tmp_path / "overflow")
+    args = run_args(out, max_iters=3, eval_interval=3, log_interval=1, skip_nonfinite=1, grad_clip=grad_clip)
+    assert train.train(args) == 0
+    records = read_metrics(out)
+    assert [r["skipped"] for r in records if r["kind"] == "train"] == [0, 1, 1]
+    assert math.isfinite(eval_records(records)[-1]["val_loss"])
