@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.util
+import math
 import platform
 import statistics
 import time
@@ -125,8 +126,9 @@ def report(title: str, rows: list[dict], baseline: str) -> None:
     print("| case | ms/step | x baseline | tokens/s | MFU | peak GiB | opt. state MB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"  # not measured on a CPU
         print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.2f} | {r['tokens_per_s']:,.0f} "
-              f"| {100 * r['mfu']:.1f}% | {r['peak_gib']:.2f} | {r['state_bytes'] / 2**20:.1f} |")
+              f"| {100 * r['mfu']:.1f}% | {peak} | {r['state_bytes'] / 2**20:.1f} |")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
