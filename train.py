@@ -814,9 +814,9 @@ def train(argv: list[str]) -> int:
             group["lr"] = group["base_lr"] * mult
         loss_sum = forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
         grad_norm = None
-        if cfg.grad_clip > 0 or cfg.skip_nonfinite:
-            scaler.unscale_(optimizer)  # max_norm inf: the norm only, the gradients are left as they are
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        if cfg.grad_clip > 0 or cfg.skip_nonfinite:  # one norm serves the skip check and the clipping
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), ddp,
                                                 dist.ReduceOp.MIN).item():
             optimizer.zero_grad(set_to_none=True)  # drop this batch's update (Bir et al.'s loop); a sync per step
@@ -828,6 +828,8 @@ def train(argv: list[str]) -> int:
                                          "skipped", raw_model, optimizer, model_inputs(task.train_batch(iter_num, 0)))
         else:
             first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
