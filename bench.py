@@ -47,6 +47,7 @@ def model_config(shape: str, **changes) -> GPTConfig:
 def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, batch, autocast) -> Callable[[], None]:
     """One training step: forward, backward and (if given) the optimizer update."""
     x, y = batch
+    constrain = getattr(model, "apply_parameter_constraints", None)  # as train.py does; nanoGPT has none
 
     def step() -> None:
         with autocast:
@@ -54,6 +55,8 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, b
         loss.backward()
         if optimizer is not None:
             optimizer.step()
+            if constrain is not None:
+                constrain()
         for p in model.parameters():
             p.grad = None
 

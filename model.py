@@ -511,6 +511,20 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
+    # ---- constraints applied after every optimizer step
+
+    @torch.no_grad()
+    def apply_parameter_constraints(self) -> None:
+        """Put constrained parameters back on their sets; train.py calls this after every optimizer step.
+
+        Any sub-module with a `constrain_()` method takes part (a clamped gain, normalized weights);
+        for a model without one this is a no-op. It must be deterministic, so that every DDP rank and
+        a resumed run make the same change to the same weights.
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "constrain_"):
+                module.constrain_()
+
     # ---- utilities
 
     def get_num_params(self, non_embedding: bool = True) -> int:

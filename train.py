@@ -833,6 +833,7 @@ def train(argv: list[str]) -> int:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            raw_model.apply_parameter_constraints()
         iter_num += 1
         iters_since_log += 1
 
