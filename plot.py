@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 # bookkeeping keys that differ between runs without changing what is trained
 IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
@@ -164,6 +165,132 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
     return fig
 
 
+# ----------------------------------------------------------------------------- learning-rate sensitivity
+
+
+def unigram_loss(data_dir: str, dataset: str) -> float | None:
+    """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss
+    of a model that ignores the context. None if the dataset is not prepared."""
+    import numpy as np
+
+    import prepare_data
+
+    folder = os.path.join(data_dir, dataset)
+    try:
+        meta = prepare_data.load_meta(folder)
+    except (OSError, ValueError):
+        return None
+    counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
+                          minlength=meta["vocab_size"]) for split in ("train", "val")]
+    p = (counts[0] + 1) / (counts[0].sum() + len(counts[0]))
+    return float(-(counts[1] * np.log(p)).sum() / counts[1].sum())
+
+
+def load_lr_sweeps(roots: list[str]) -> dict:
+    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
+    merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
+    for root in roots:
+        path = os.path.join(root, "summary.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"error: {root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
+        with open(path) as f:
+            summary = json.load(f)
+        if "lr_points" not in summary:
+            raise SystemExit(f"error: {root} is a sweep without --lr_grid; --lr_sweep needs one with it")
+        merged["runs"] += summary["runs"]
+        merged["lr_points"] += summary["lr_points"]
+        merged["setup"] = merged["setup"] or summary.get("setup")
+        merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
+        merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
+    return merged
+
+
+def point_label(point: dict, keys: list[str]) -> str:
+    values = [f"{k}={point[k]}" for k in keys if point.get(k) is not None]
+    return values[0].split("=", 1)[1] if len(values) == 1 else ", ".join(values) or "run"
+
+
+def hidden_curves(curves: dict[str, dict[float, float]], tol: float = 2e-3) -> list[tuple[str, str]]:
+    """Pairs of curves that coincide within tol at every rate they share (one is drawn over the other)."""
+    names = list(curves)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if (shared := set(curves[a]) & set(curves[b]))
+            and all(abs(curves[a][x] - curves[b][x]) < tol for x in shared)]
+
+
+def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = None):
+    """Final val loss against learning rate (log axis), one curve per grid point from its first-seed runs;
+    diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
+    horizontal reference lines (the unigram loss of a language-model sweep, or those given)."""
+    from matplotlib.figure import Figure
+
+    sweep = load_lr_sweeps(roots)
+    keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
+    refs = dict(references or {})
+    if setup.get("task") == "lm" and "unigram" not in refs:
+        uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""))
+        if uni is not None:
+            refs["unigram (context ignored)"] = uni
+    first_seed = min((r["seed"] for r in sweep["runs"]), default=None)
+    curves: dict[str, dict[float, float]] = {}
+    failed: dict[str, list[float]] = {}
+    for point in sweep["lr_points"]:
+        label = point_label(point, keys)
+        for r in sweep["runs"]:
+            if r["seed"] != first_seed or any(str(r.get(k)) != str(point[k]) for k in keys):
+                continue
+            loss = r.get("val_loss")
+            ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \
+                and math.isfinite(loss)
+            if ok:
+                curves.setdefault(label, {})[float(r[lr_key])] = loss
+            else:
+                failed.setdefault(label, []).append(float(r[lr_key]))
+    order = sorted(sweep["lr_points"], key=lambda p: (p.get("val_loss_mean") is None, p.get("val_loss_mean") or 0))
+    finite = [v for c in curves.values() for v in c.values()] + list(refs.values())
+    if not finite:
+        raise SystemExit("error: no run of these sweeps finished with a finite loss: nothing to draw")
+    low, high = min(finite), max(finite)
+    top = high + 0.08 * (high - low or 1.0)  # the band where diverged runs are marked
+    fig = Figure(figsize=(7.5, 5.0), layout="constrained")
+    ax = fig.add_subplot()
+    for i, point in enumerate(order):
+        label = point_label(point, keys)
+        color = f"C{i % 10}"
+        xs = sorted(curves.get(label, {}))
+        best = point.get("best_lr")
+        mean_std = point.get("val_loss_mean_std") or "-"
+        ax.plot(xs, [curves[label][x] for x in xs], "o-", color=color, markersize=4,
+                label=f"{label}: {mean_std} at lr {best}" if best is not None else f"{label}: every rate failed")
+        if failed.get(label):  # each curve's x a little lower than the last, so that none hides another
+            y = top - 0.012 * i * (high - low or 1.0)
+            ax.plot(failed[label], [y] * len(failed[label]), "x", color=color, markersize=8, mew=2)
+        losses = [x for x in point.get("seed_losses", {}).values() if math.isfinite(x)]
+        if best is not None and len(losses) > 1:
+            ax.errorbar([float(best)], [point["val_loss_mean"]], yerr=[statistics.stdev(losses)], color=color,
+                        capsize=5, marker="s", markersize=7, markerfacecolor="none")
+    for name, value in refs.items():
+        ax.axhline(value, color="0.4", linestyle="--", linewidth=1)
+        ax.annotate(f"{name} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
+                    color="0.3", va="bottom")
+    if failed:
+        ax.annotate("x: diverged or crashed", (0.01, top), xycoords=("axes fraction", "data"), fontsize="small",
+                    va="bottom", color="0.3")
+    ax.set_xscale("log")
+    ax.set(xlabel=lr_key, ylabel="final val loss (first seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", title="sorted by mean loss at the best rate (mean ± std, n)",
+              title_fontsize="small", loc="outside right upper" if len(order) > 8 else "best")
+    size = f"L{setup.get('n_layer')} d{setup.get('n_embd')} T{setup.get('block_size')}" if setup else ""
+    title = (f"{size}, {setup.get('data')}, {setup.get('max_iters')} steps, {setup.get('optimizer')}; "
+             f"{setup.get('seeds')} seeds at each best rate (squares: mean ± std)") if setup else "learning-rate sweep"
+    hidden = hidden_curves(curves)
+    if hidden:
+        title += "\nhidden under another curve: " + "; ".join(f"{a} under {b}" for a, b in hidden)
+    fig.suptitle(title, fontsize="small")
+    return fig
+
+
 def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png", x: str = "iter",
               logy: bool = False, smooth_n: int = 1) -> str:
     """Draw the runs' metrics into a PNG at out_path and return the path."""
@@ -176,7 +303,12 @@ def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dirs", nargs="+", help="train.py out_dirs (each with a metrics.jsonl)")
+    parser.add_argument("out_dirs", nargs="+", help="train.py out_dirs (each with a metrics.jsonl), or with "
+                        "--lr_sweep the --out_root of sweep.py --lr_grid runs")
+    parser.add_argument("--lr_sweep", action="store_true", help="draw final val loss against learning rate "
+                        "from sweep.py --lr_grid out_roots (their summary.json)")
+    parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --lr_sweep: a horizontal reference line, e.g. 'zero predictor=1.0' (repeatable)")
     parser.add_argument("--metric", default="val_loss", help="comma-separated: loss, val_loss, block_rms[-1], ...")
     parser.add_argument("--x", default="iter", help="the key on the x axis (default: iter)")
     parser.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
@@ -184,6 +316,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
     args = parser.parse_args(argv)
     args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    if args.lr_sweep:
+        refs = {}
+        for item in args.ref:
+            name, _, value = item.rpartition("=")
+            try:
+                refs[name] = float(value)
+            except ValueError:
+                raise SystemExit(f"error: --ref {item!r}: write NAME=VALUE with a number") from None
+        fig = draw_lr_sensitivity(args.out_dirs, refs)
+        out = args.out if args.out != "runs.png" else "lr_sensitivity.png"
+        if os.path.dirname(out):
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+        fig.savefig(out, dpi=110)
+        print(f"wrote {out}")
+        return
     path = plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth)
     print(f"wrote {path}")
 

@@ -7,6 +7,18 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --dry_run   # print the commands
     python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
+    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \
+        --seeds 1,2,3 --baseline norm_scheme=pre --out_root out/lr      # each scheme at its own best rate
+    python plot.py --lr_sweep out/lr                                     # final loss against learning rate
+
+With --lr_grid, every grid point runs every rate on the first seed; the rate with the lowest final val loss
+is its best (a diverged or crashed run ranks last and stays in the table); the other seeds run at the best
+rate only. The table gives each point's best rate, mean ± std (n) at it, the rates that diverged, and a
+warning when the best rate is an edge of the grid. With --baseline, `verdict` (below) compares each point's
+per-seed losses at its best rate with the baseline's: Welch's t-test, or the paired t-test when both share
+their seeds, two-sided at p < 0.05, giving "reproduced", "contradicted" or "inconclusive at this scale" for
+the claim that the point's loss is lower (--claim higher: higher). Two rates (muon, manifold_muon):
+--lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
 output goes to out_dir/train.log, its exit code and wall time to out_dir/run.json, and the tables to
@@ -31,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import train
+from model import GPTConfig
 from plot import diverged_at, load_metrics
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -39,7 +52,9 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
            "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
            "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
-           "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x")}
+           "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
+           "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
+           "edge_warning": ("warning", "{}")}
 JOBS_HELP = """runs at a time: N, or auto = max(1, cores // threads_per_run). Each run gets OMP_NUM_THREADS=
 threads_per_run, by default all cores, so auto runs one at a time: torch already spreads a run's matmuls over
 every core, and runs sharing cores gain little while their ms/iter measures the contention, not the model.
@@ -48,6 +63,13 @@ With --jobs N alone, each run gets cores // N threads."""
 
 class SweepError(ValueError):
     """An argument the user has to fix; sweep.py exits with code 2."""
+
+
+def is_positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0 and math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def parse_assignments(items: list[str], flag: str) -> dict[str, str]:
@@ -80,8 +102,11 @@ def run_state(out_dir: str, max_iters: int) -> str:
 
 
 def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None = None,
-              fixed: dict | None = None, out_root: str = "out/sweep", rerun: bool = False) -> list[dict]:
-    """One job per run, {point, out_dir, argv, state}; every argv is checked as train.py would."""
+              fixed: dict | None = None, out_root: str = "out/sweep", rerun: bool = False,
+              lr_ratios: tuple[str, dict[str, float]] | None = None) -> list[dict]:
+    """One job per run, {point, out_dir, argv, state}; every argv is checked as train.py would.
+
+    lr_ratios (key, {other: ratio}): each run sets `other` to ratio times its value of `key`."""
     if {"out_dir", "init_from", "overwrite"} & {*grid, *(fixed or {})}:
         raise SweepError("sweep.py sets out_dir, init_from and overwrite itself; use --out_root and --rerun")
     if seeds and "seed" in grid:
@@ -91,6 +116,9 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         out_dir = os.path.join(out_root, run_name(point))
         argv = [config] if config else []
         settings = {key: v for k, v in {**(fixed or {}), **point}.items() for key in k.split("+")}  # a+b: tied
+        if lr_ratios:
+            key, ratios = lr_ratios
+            settings.update({other: f"{float(settings[key]) * ratio:.6g}" for other, ratio in ratios.items()})
         argv += [f"--{k}={v}" for k, v in settings.items()] + [f"--out_dir={out_dir}"]
         try:
             cfg, _ = train.load_config(argv)  # checks every key and value before anything runs
@@ -199,6 +227,21 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
 
 
+def execute(pending: list[dict], workers: int, threads: int) -> None:
+    """Run the jobs, `workers` at a time, printing each outcome as it comes."""
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(launch, job, threads): job for job in pending}
+        try:
+            for k, future in enumerate(as_completed(futures), 1):
+                job, info = futures[future], future.result()
+                outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
+                print(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
+                      + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""), flush=True)
+        except KeyboardInterrupt:
+            pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
+            raise
+
+
 def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None = None, fixed: dict | None = None,
               out_root: str = "out/sweep", jobs: str | int = "auto", threads_per_run: int | None = None,
               rerun: bool = False, baseline: dict | None = None, dry_run: bool = False,
@@ -215,17 +258,7 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
             print(shlex.join(["python", "train.py", *job["argv"]]))
     if dry_run:
         return []
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(launch, job, threads): job for job in pending}
-        try:
-            for k, future in enumerate(as_completed(futures), 1):
-                job, info = futures[future], future.result()
-                outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
-                print(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
-                      + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""), flush=True)
-        except KeyboardInterrupt:
-            pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
-            raise
+    execute(pending, workers, threads)
     rows = summarize([job["out_dir"] for job in todo], extra)
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
                   f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [])
@@ -247,6 +280,234 @@ def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: lis
         json.dump({"runs": rows, "grid_points": points}, f, indent=1)
 
 
+# ----------------------------------------------------------------------------- the verdict rule
+
+VERDICT_P = 0.05  # two-sided significance level of the verdict rule
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return min(max(x, 0.0), 1.0)
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below the mean: use the symmetry
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return front * f
+
+
+def t_test_p(t: float, df: float) -> float:
+    """Two-sided p-value of Student's t statistic with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
+    if math.isinf(t):
+        return 0.0
+    return _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+
+def compare_arms(a: list[float], b: list[float], paired: bool = False) -> dict:
+    """Mean of a minus mean of b, its standard error, t, degrees of freedom and two-sided p.
+
+    Welch's t-test (unequal variances, Welch–Satterthwaite df); paired: the one-sample t-test of the
+    per-seed differences a[i] - b[i] (both lists in the same seed order)."""
+    if paired:
+        diffs = [x - y for x, y in zip(a, b, strict=True)]
+        n = len(diffs)
+        mean, se2, df = statistics.fmean(diffs), statistics.variance(diffs) / n, n - 1
+    else:
+        va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+        mean, se2 = statistics.fmean(a) - statistics.fmean(b), va + vb
+        df = se2**2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se2 > 0 else len(a) + len(b) - 2
+    se = math.sqrt(se2)
+    t = mean / se if se > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
+    return {"diff": mean, "se": se, "t": t, "df": df, "p": t_test_p(t, df)}
+
+
+def verdict(claimed: list[float], other: list[float], claim: str = "lower", paired: bool = False) -> dict:
+    """The one verdict rule: does `claimed` have a lower (claim="lower") or higher final loss than `other`?
+
+    Each list holds one final loss per seed; a diverged run counts as +inf. With every loss finite:
+    `compare_arms` (Welch's t-test, or paired by seed), then "reproduced" if p < VERDICT_P and the
+    difference has the claimed sign, "contradicted" if p < VERDICT_P against it, else "inconclusive at
+    this scale". With divergences: when one arm diverged on every seed and the other on none, the arm
+    that trained wins; any other mix is inconclusive. Fewer than 2 seeds per arm: inconclusive."""
+    if claim not in ("lower", "higher"):
+        raise ValueError(f"claim={claim!r}: choose lower or higher")
+    sign = -1.0 if claim == "lower" else 1.0  # the claimed sign of mean(claimed) - mean(other)
+    bad_a, bad_b = (sum(not math.isfinite(x) for x in arm) for arm in (claimed, other))
+    result = {"n": (len(claimed), len(other)), "diverged": (bad_a, bad_b), "paired": paired,
+              "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "p": None}
+    if bad_a or bad_b:
+        word = "inconclusive at this scale"
+        if bad_a == len(claimed) and bad_b == 0:  # only the claimed arm diverged, on every seed: its loss is higher
+            word = "reproduced" if claim == "higher" else "contradicted"
+        elif bad_b == len(other) and bad_a == 0:
+            word = "reproduced" if claim == "lower" else "contradicted"
+        return {**result, "verdict": word}
+    if min(len(claimed), len(other)) < 2:
+        return {**result, "verdict": "inconclusive at this scale"}
+    stats = compare_arms(claimed, other, paired)
+    word = "inconclusive at this scale"
+    if stats["p"] < VERDICT_P:
+        word = "reproduced" if stats["diff"] * sign > 0 else "contradicted"
+    return {**result, **stats, "verdict": word}
+
+
+# ----------------------------------------------------------------------------- learning-rate sweeps
+
+
+def run_rank(row: dict) -> tuple[int, float]:
+    """Sort key of a run: finished with a finite loss first, by loss; diverged or crashed runs last."""
+    loss = row.get("val_loss")
+    ok = row["diverged_at"] is None and row["exit_code"] in (0, None) and loss is not None and math.isfinite(loss)
+    return (0, loss) if ok else (1, math.inf)
+
+
+def final_loss(row: dict) -> float:
+    """The run's final val loss for the verdict rule: +inf if it diverged or crashed."""
+    return run_rank(row)[1]
+
+
+def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dict[str, float]]:
+    """The first of lr_keys takes the grid's values; every other lr key, and min_lr when learning_rate is
+    swept, keeps its ratio to the first from the config (so the schedule's floor scales with the rate)."""
+    try:
+        cfg, _ = train.load_config([config, *(f"--{k}={v}" for k, v in fixed.items())])
+    except train.ConfigError as e:
+        raise SweepError(str(e)) from None
+    followers = [*lr_keys[1:], *(["min_lr"] if "learning_rate" in lr_keys and "min_lr" not in fixed else [])]
+    values = {k: getattr(cfg, k, None) for k in lr_keys + followers}
+    missing = [k for k, v in values.items() if not isinstance(v, (int, float)) or v <= 0]
+    if missing:
+        raise SweepError(f"--lr_keys: {', '.join(missing)} must have a positive value in the config or --set "
+                         "to keep its ratio to the swept rate")
+    first = lr_keys[0]
+    return first, {k: values[k] / values[first] for k in followers if k != first}
+
+
+def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
+    """The best rate among one grid point's first-seed runs, the diverged rates, and the edge warning."""
+    ranked = sorted(rows, key=run_rank)
+    best = ranked[0] if ranked and run_rank(ranked[0])[0] == 0 else None
+    numeric = sorted(float(v) for v in lr_values)
+    edge = None
+    if best is not None and len(numeric) > 1 and float(best[lr_key]) in (numeric[0], numeric[-1]):
+        side = "lowest" if float(best[lr_key]) == numeric[0] else "highest"
+        edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
+    diverged = [r[lr_key] for r in rows if r["diverged_at"] is not None]
+    crashed = [r[lr_key] for r in rows if r["diverged_at"] is None and r["exit_code"] not in (0, 3, None)]
+    return {"best_lr": best[lr_key] if best else None, "diverged_lrs": diverged, "crashed_lrs": crashed,
+            "edge_warning": edge}
+
+
+def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
+                 seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
+                 jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
+                 baseline: dict | None = None, claim: str = "lower", dry_run: bool = False,
+                 extra: list[str] | None = None) -> list[dict]:
+    """Each grid point at its own best learning rate: every rate on the first seed, the best kept (lowest final
+    val loss; a diverged run ranks last), the other seeds at that rate only. Returns one row per grid point."""
+    fixed = fixed or {}
+    seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
+    lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
+    workers, threads = parallelism(jobs, threads_per_run)
+    first = plan_runs(config, {**grid, lr_key: lr_values}, seeds[:1], fixed, out_root, rerun, (lr_key, ratios))
+    pending = [job for job in first if job["state"] != "finished"]
+    print(f"{len(first)} first-seed runs over {len(lr_values)} rates, {len(pending)} to run, {workers} at a time "
+          f"with OMP_NUM_THREADS={threads}; then seeds {seeds[1:]} at each point's best rate")
+    if dry_run:
+        for job in pending:
+            print(shlex.join(["python", "train.py", *job["argv"]]))
+        return []
+    execute(pending, workers, threads)
+    first_rows = summarize([job["out_dir"] for job in first], extra)
+    points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    choice = []
+    for point in points:
+        rows = [r for r in first_rows if all(str(r.get(k)) == str(v) for k, v in point.items())]
+        choice.append({**point, **pick_best(rows, lr_key, lr_values)})
+    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None and seeds[1:]
+            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds[1:],
+                                 fixed, out_root, rerun, (lr_key, ratios))]
+    execute([job for job in rest if job["state"] != "finished"], workers, threads)
+    rest_rows = summarize([job["out_dir"] for job in rest], extra)
+    table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claim)
+    write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
+                     f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
+                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "") + f", seeds {seeds}",
+                     run_setup(first[0]["argv"], len(seeds)) if first else {})
+    return table
+
+
+def run_setup(argv: list[str], n_seeds: int) -> dict:
+    """What a figure's title states of a sweep: model size, data, steps, optimizer, seeds."""
+    cfg, model_args = train.load_config(argv)
+    size = {k: model_args.get(k, getattr(GPTConfig, k)) for k in ("n_layer", "n_embd", "block_size")}
+    data = cfg.dataset if cfg.task == "lm" else f"least squares (T {cfg.icl_pairs})"
+    return {**size, "task": cfg.task, "data": data, "dataset": cfg.dataset, "data_dir": cfg.data_dir,
+            "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds}
+
+
+def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
+             claim: str) -> list[dict]:
+    """One row per grid point: best rate, mean ± std (n) of the final val loss at it, and, given a
+    baseline point, the verdict rule's word for "this point's loss is `claim` than the baseline's"."""
+    def seeds_at_best(c: dict) -> dict[int, float]:
+        return {r["seed"]: final_loss(r) for r in rows if all(str(r.get(k)) == str(c[k]) for k in keys)
+                and c["best_lr"] is not None and str(r[lr_key]) == str(c["best_lr"])}
+
+    base = next((c for c in choice if baseline and all(str(c[k]) == str(v) for k, v in baseline.items())), None)
+    base_losses = seeds_at_best(base) if base else {}
+    table = []
+    for c in choice:
+        losses = seeds_at_best(c)
+        finite = [x for x in losses.values() if math.isfinite(x)]
+        text = "-" if not finite else f"{statistics.fmean(finite):.4f}" + (
+            f" ± {statistics.stdev(finite):.4f}" if len(finite) > 1 else "") + f" (n={len(finite)})"
+        row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
+               "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
+               "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": c["crashed_lrs"],
+               "edge_warning": c["edge_warning"]}
+        if base is not None and c is not base and losses and base_losses:
+            paired = sorted(losses) == sorted(base_losses)
+            order = sorted(losses)
+            v = verdict([losses[s] for s in order], [base_losses[s] for s in (order if paired else base_losses)],
+                        claim, paired)
+            row["verdict"] = v["verdict"] + (f" (p={v['p']:.3g})" if v["p"] is not None else "")
+        table.append(row)
+    return table
+
+
+def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
+                     extra: list[str], title: str, setup: dict) -> None:
+    """Print the run table and the per-point table; write both to out_root/summary.md and summary.json."""
+    run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
+                   "ms_per_iter"]
+    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs",
+                     *(["verdict"] if any("verdict" in r for r in table) else []), "edge_warning"]
+    cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
+    text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
+                        f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
+    print("\n" + text)
+    os.makedirs(out_root, exist_ok=True)
+    with open(os.path.join(out_root, "summary.md"), "w") as f:
+        f.write(f"# {title}\n\n{text}\n")
+    with open(os.path.join(out_root, "summary.json"), "w") as f:
+        json.dump({"title": title, "setup": setup, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table},
+                  f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="a train.py config file, e.g. configs/cpu_base.py")
@@ -263,6 +524,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="key=value: the grid point ms/iter is relative to (default: the first)")
     parser.add_argument("--extra", default="", help="comma-separated metrics of the last eval to add to the run "
                         "table, e.g. val_xy_loss,grad_kurtosis")
+    parser.add_argument("--lr_grid", metavar="V1,V2,...", help="learning rates (log-spaced): each grid point "
+                        "runs every rate on the first seed and the other seeds at its best rate")
+    parser.add_argument("--lr_keys", default="learning_rate", metavar="KEY1+KEY2",
+                        help="the rate(s) --lr_grid sets: the first takes the grid's values, the others keep their "
+                        "ratio to it from the config (e.g. matrix_lr+learning_rate for muon); min_lr follows "
+                        "learning_rate unless set (default: learning_rate)")
+    parser.add_argument("--claim", choices=("lower", "higher"), default="lower",
+                        help="with --lr_grid and --baseline: the verdict tests whether each point's final val loss "
+                        "is lower (default) or higher than the baseline's")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -277,9 +547,19 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError(f"--seeds {args.seeds!r}: give whole numbers separated by commas, e.g. 1,2,3")
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
         out_root = args.out_root or os.path.join("out", "sweep_" + os.path.splitext(os.path.basename(args.config))[0])
-        rows = run_sweep(args.config, grid, seeds, parse_assignments(args.set, "--set"), out_root, args.jobs,
-                         args.threads_per_run, args.rerun, baseline or None, args.dry_run,
-                         [k for k in args.extra.split(",") if k])
+        fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
+        if args.lr_grid:
+            lr_keys = args.lr_keys.split("+")
+            if set(lr_keys) & {k for key in grid for k in key.split("+")}:
+                raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
+            if not all(is_positive_number(v) for v in args.lr_grid.split(",")):
+                raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
+            table = run_lr_sweep(args.config, grid, args.lr_grid.split(","), lr_keys, seeds, fixed, out_root,
+                                 args.jobs, args.threads_per_run, args.rerun, baseline or None, args.claim,
+                                 args.dry_run, extra)
+            return int(any(row["crashed_lrs"] for row in table))
+        rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
+                         baseline or None, args.dry_run, extra)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -179,3 +179,114 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     out = tmp_path / "runs.png"
     plot.main([*runs, diverged, "--metric", "loss,val_loss", "--logy", "--smooth", "2", "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < out.stat().st_size < 500_000
+
+
+# ----------------------------------------------------------------------------- learning-rate sweeps and verdicts
+
+
+def test_t_test_p_matches_tabulated_student_t_quantiles():
+    # two-sided 5% critical values from any t table (4 significant digits, hence the 1e-3 tolerance)
+    for t, df in [(12.706, 1), (4.303, 2), (2.776, 4), (2.228, 10), (1.960, 1e6)]:
+        assert sweep.t_test_p(t, df) == pytest.approx(0.05, abs=1e-3)
+    assert sweep.t_test_p(0.0, 3) == pytest.approx(1.0) and sweep.t_test_p(math.inf, 3) == 0.0
+    assert sweep.t_test_p(63.657, 1) == pytest.approx(0.01, abs=2e-4)  # the 1% value: the tail far out
+
+
+def test_verdict_rule_on_synthetic_losses():
+    base = [2.00, 2.02, 1.98]
+    assert sweep.verdict([1.80, 1.82, 1.78], base)["verdict"] == "reproduced"  # clear win
+    assert sweep.verdict([2.20, 2.22, 2.18], base)["verdict"] == "contradicted"  # clear loss
+    assert sweep.verdict([2.01, 1.97, 2.03], base)["verdict"] == "inconclusive at this scale"  # within noise
+    assert sweep.verdict([2.20, 2.22, 2.18], base, claim="higher")["verdict"] == "reproduced"
+    # a small shift shared by every seed: lost in the seed spread unpaired, found when paired by seed
+    shifted, spread = [1.99, 2.49, 2.99], [2.00, 2.50, 3.00]
+    assert sweep.verdict(shifted, spread)["verdict"] == "inconclusive at this scale"
+    paired = sweep.verdict([1.990, 2.491, 2.989], spread, paired=True)
+    assert paired["verdict"] == "reproduced" and paired["test"] == "paired t" and paired["p"] < 0.05
+    # divergence: an arm that diverged on every seed loses to one that trained on every seed
+    assert sweep.verdict(base, [math.inf] * 3)["verdict"] == "reproduced"
+    assert sweep.verdict([math.inf] * 3, base)["verdict"] == "contradicted"
+    assert sweep.verdict([1.5, math.inf, 1.5], base)["verdict"] == "inconclusive at this scale"
+    assert sweep.verdict([1.8], base)["verdict"] == "inconclusive at this scale"  # one seed: no spread to test
+
+
+def lr_row(lr: str, val: float | None, diverged: int | None = None, code: int = 0) -> dict:
+    return {"learning_rate": lr, "seed": 1, "val_loss": val, "diverged_at": diverged, "exit_code": code}
+
+
+def test_best_rate_ranks_a_diverged_run_last_and_keeps_it():
+    grid = ["1e-3", "3e-3", "1e-2", "3e-2"]
+    rows = [lr_row("1e-3", 2.3), lr_row("3e-3", 2.1), lr_row("1e-2", 2.2), lr_row("3e-2", 1.0, diverged=50, code=3)]
+    best = sweep.pick_best(rows, "learning_rate", grid)
+    assert best["best_lr"] == "3e-3" and best["diverged_lrs"] == ["3e-2"] and best["edge_warning"] is None
+    nan = sweep.pick_best([lr_row("1e-3", math.nan), lr_row("3e-3", 2.5)], "learning_rate", grid)
+    assert nan["best_lr"] == "3e-3"  # a non-finite loss never wins
+    assert sweep.pick_best([lr_row("1e-3", None, diverged=3, code=3)], "learning_rate", grid)["best_lr"] is None
+
+
+def test_best_rate_on_an_edge_of_the_grid_warns():
+    grid = ["1e-3", "3e-3", "1e-2"]
+    low = sweep.pick_best([lr_row("1e-3", 2.0), lr_row("3e-3", 2.1), lr_row("1e-2", 2.2)], "learning_rate", grid)
+    high = sweep.pick_best([lr_row("1e-3", 2.3), lr_row("3e-3", 2.1), lr_row("1e-2", 2.0)], "learning_rate", grid)
+    assert "lowest" in low["edge_warning"] and "highest" in high["edge_warning"]
+
+
+def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(data_dir, tmp_path):
+    out_root = str(tmp_path / "lr")
+    fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
+    cmd = [sys.executable, "sweep.py", CONFIG, "--grid", "norm_scheme=pre,post", "--lr_grid", "1e-3,1e-2",
+           "--seeds", "1,2", "--jobs", "2", "--threads_per_run", "1", "--baseline", "norm_scheme=pre",
+           "--out_root", out_root, "--set", *fixed]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = read_summary(out_root)
+    assert len(summary["runs"]) == 2 * (2 + 1)  # 2 schemes x (2 rates on seed 1 + seed 2 at the best rate)
+    for point in summary["lr_points"]:
+        first = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"] and r["seed"] == 1]
+        assert point["best_lr"] == min(first, key=lambda r: r["val_loss"])["learning_rate"]
+        at_best = [r["val_loss"] for r in summary["runs"]
+                   if r["norm_scheme"] == point["norm_scheme"] and r["learning_rate"] == point["best_lr"]]
+        assert len(at_best) == 2 and point["val_loss_mean"] == pytest.approx(sum(at_best) / 2)
+        assert f"{point['val_loss_mean']:.4f} ± " in point["val_loss_mean_std"] and "(n=2)" in result.stdout
+    # min_lr keeps its ratio to the swept rate (cpu_base: 2e-4 at 2e-3)
+    argv = sweep.read_json(os.path.join(summary["runs"][0]["out_dir"], "run.json"))["argv"]
+    assert "--min_lr=0.0001" in argv and "--learning_rate=1e-3" in argv
+    assert "verdict" in summary["lr_points"][1]
+
+
+def test_lr_sweep_refuses_a_swept_key_in_the_grid_and_bad_rates():
+    assert sweep.main([CONFIG, "--grid", "learning_rate=1e-3", "--lr_grid", "1e-3,1e-2", "--dry_run"]) == 2
+    assert sweep.main([CONFIG, "--lr_grid", "1e-3,fast", "--dry_run"]) == 2
+    assert sweep.main([CONFIG, "--lr_grid", "1e-3", "--lr_keys", "matrix_lr", "--dry_run"]) == 2  # None in config
+
+
+def test_lr_sensitivity_figure_marks_divergence_spread_references_and_setup(tmp_path):
+    def run(scheme, lr, seed, val, diverged=None):
+        return {"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": val, "diverged_at": diverged,
+                "exit_code": 3 if diverged else 0}
+
+    runs = [run("pre", "1e-3", 1, 2.0), run("pre", "1e-2", 1, 1.8), run("pre", "1e-1", 1, None, diverged=9),
+            run("pre", "1e-2", 2, 1.9), run("rms", "1e-3", 1, 2.0), run("rms", "1e-2", 1, 1.8005),
+            run("rms", "1e-1", 1, None, diverged=4)]
+    points = [{"norm_scheme": "pre", "best_lr": "1e-2", "val_loss_mean": 1.85, "val_loss_mean_std": "1.8500 ± 0.0707",
+               "seed_losses": {"1": 1.8, "2": 1.9}},
+              {"norm_scheme": "rms", "best_lr": "1e-2", "val_loss_mean": 1.8005, "val_loss_mean_std": "1.8005",
+               "seed_losses": {"1": 1.8005}}]
+    setup = {"n_layer": 4, "n_embd": 128, "block_size": 128, "task": "icl", "data": "least squares (T 16)",
+             "max_iters": 400, "optimizer": "adamw", "seeds": 2}
+    (tmp_path / "summary.json").write_text(json.dumps({"setup": setup, "lr_key": "learning_rate",
+                                                        "keys": ["norm_scheme"], "runs": runs, "lr_points": points}))
+    fig = plot.draw_lr_sensitivity([str(tmp_path)], {"zero predictor": 2.5})
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["rms: 1.8005 at lr 1e-2", "pre: 1.8500 ± 0.0707 at lr 1e-2"]  # sorted by mean loss
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert len(crosses) == 2 and len({line.get_ydata()[0] for line in crosses}) == 2  # one per scheme, not stacked
+    assert any(list(line.get_ydata()) == [2.5, 2.5] for line in ax.get_lines())  # the reference line
+    title = fig._suptitle.get_text()
+    assert "L4 d128" in title and "400 steps" in title and "2 seeds" in title
+    assert "rms under pre" in title or "pre under rms" in title  # the two curves coincide: said, not hidden
+    out = tmp_path / "lr.png"
+    plot.main([str(tmp_path), "--lr_sweep", "--ref", "zero predictor=2.5", "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
