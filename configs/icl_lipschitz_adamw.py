@@ -32,10 +32,10 @@ beta1 = 0.9
 beta2 = 0.999
 weight_decay = 0.01
 grad_clip = 0.0
-# the authors' training loop drops the update of a batch whose loss is not finite and goes on;
-# here also one whose gradient is not finite (a finite loss can back-propagate an overflow), up to
-# 100 such batches, then the run counts as diverged (0 would stop at the first)
-skip_nonfinite = 100
+# no skipping of non-finite batches: the paper says nothing of it and the released code's latest version
+# has none (a run stops at the first non-finite loss). --skip_nonfinite=N is this project's option: drop
+# the update of up to N batches whose loss or gradient is not finite, then count the run as diverged.
+skip_nonfinite = 0
 # schedule (§4.4: 3k steps for AdamW and Muon)
 max_iters = 3000
 lr_schedule = "wsd"
