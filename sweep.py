@@ -54,7 +54,8 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
            "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
            "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
-           "edge_warning": ("warning", "{}")}
+           "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
+           "run_minutes": ("run time (min)", "{:.1f}")}
 JOBS_HELP = """runs at a time: N, or auto = max(1, cores // threads_per_run). Each run gets OMP_NUM_THREADS=
 threads_per_run, by default all cores, so auto runs one at a time: torch already spreads a run's matmuls over
 every core, and runs sharing cores gain little while their ms/iter measures the contention, not the model.
@@ -508,9 +509,44 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
                   f, indent=1)
 
 
+def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lower") -> list[dict]:
+    """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
+    its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point."""
+    points = []
+    for root in roots:
+        summary = read_json(os.path.join(root, "summary.json"))
+        if "lr_points" not in summary:
+            raise SweepError(f"{root} holds no summary.json of a --lr_grid sweep")
+        for point in summary["lr_points"]:
+            keys = summary["keys"]
+            runs = [r for r in summary["runs"] if all(str(r.get(k)) == str(point[k]) for k in keys)]
+            label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
+            points.append({**point, "label": label, "losses": {int(s): v for s, v in point["seed_losses"].items()},
+                           "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
+    base = next((p for p in points if baseline and all(str(p.get(k)) == str(v) for k, v in baseline.items())), None)
+    if baseline and base is None:
+        raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
+    table = []
+    for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
+        row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p["val_loss_mean_std"],
+               "diverged_lrs": p["diverged_lrs"], "edge_warning": p["edge_warning"],
+               "run_minutes": p["run_minutes"]}
+        if base is not None and p is not base and p["losses"] and base["losses"]:
+            paired = sorted(p["losses"]) == sorted(base["losses"])
+            seeds = sorted(p["losses"])
+            v = verdict([p["losses"][s] for s in seeds],
+                        [base["losses"][s] for s in (seeds if paired else sorted(base["losses"]))], claim, paired)
+            row["verdict"] = v["verdict"] + (f" (p={v['p']:.3g})" if v["p"] is not None else "")
+            row["diff"] = v["diff"]
+        table.append(row)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="a train.py config file, e.g. configs/cpu_base.py")
+    parser.add_argument("config", nargs="?", help="a train.py config file, e.g. configs/cpu_base.py")
+    parser.add_argument("--leaderboard", nargs="+", metavar="OUT_ROOT", help="print one table over these --lr_grid "
+                        "sweeps (each point at its best rate, sorted, verdicts against --baseline) and stop")
     parser.add_argument("--grid", action="extend", nargs="+", default=[], metavar="KEY=V1,V2",
                         help="values to sweep (repeatable; the runs are every combination); KEY1+KEY2=V1,V2 "
                         "gives both keys the same value, e.g. learning_rate+matrix_lr=1e-3,1e-2")
@@ -537,6 +573,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
     try:
+        if args.leaderboard:
+            table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, args.claim)
+            print(format_table(table, ["label", "best_lr", "val_loss_mean_std", "diff", "verdict", "diverged_lrs",
+                                       "run_minutes", "edge_warning"]))
+            print(f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+            return 0
+        if args.config is None:
+            raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")
         grid = {k: v.split(",") for k, v in parse_assignments(args.grid, "--grid").items()}
         baseline = parse_assignments(args.baseline, "--baseline")
         if any(k not in grid or v not in grid[k] for k, v in baseline.items()):

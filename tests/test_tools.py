@@ -252,6 +252,11 @@ def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(dat
     argv = sweep.read_json(os.path.join(summary["runs"][0]["out_dir"], "run.json"))["argv"]
     assert "--min_lr=0.0001" in argv and "--learning_rate=1e-3" in argv
     assert "verdict" in summary["lr_points"][1]
+    board = sweep.leaderboard([out_root], {"norm_scheme": "pre"})
+    means = [p["val_loss_mean"] for p in summary["lr_points"]]
+    assert [row["val_loss_mean_std"][:6] for row in board] == [f"{m:.4f}"[:6] for m in sorted(means)]
+    assert sum("verdict" in row for row in board) == 1  # every arm but the baseline
+    assert sweep.main(["--leaderboard", out_root, "--baseline", "norm_scheme=rms"]) == 2  # not a point
 
 
 def test_lr_sweep_refuses_a_swept_key_in_the_grid_and_bad_rates():
