@@ -43,6 +43,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections import deque
@@ -582,8 +583,12 @@ _worker_encode: Callable[[list[str]], np.ndarray] | None = None  # set in each p
 
 
 def _start_worker(name: str, chars: Sequence[str] | None, dtype: str, gpt2: tiktoken.Encoding | None) -> None:
-    """Set up a pool process; GPT-2's encoding comes pickled (faster than building it from its files)."""
+    """Set up a pool process; GPT-2's encoding comes pickled (faster than building it from its files).
+    The process ends when its parent does, even when the parent is killed (it would wait forever)."""
     global _worker_encode
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
     tokenizer = _gpt2_tokenizer(gpt2) if gpt2 is not None else get_tokenizer(name, chars)
     _worker_encode = functools.partial(_encode_chunk, tokenizer, dtype)
 

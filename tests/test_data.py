@@ -1,10 +1,13 @@
 """Tests of prepare_data.py: tokenizers, the Shakespeare corpus, and safe dataset writing."""
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 import types
 from itertools import islice
 from pathlib import Path
@@ -741,22 +744,42 @@ def test_non_string_hub_document_is_refused(tmp_path, monkeypatch):
 
 
 def test_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path, char_tokenizer):
+    """SIGKILL a run that tokenizes with 2 processes: they end with it, and the next run removes its folder."""
     out = tmp_path / "d"
     script = (f"import time, prepare_data\n"
               f"prepare_data.DOCS_PER_BATCH = 1\n"
-              f"def docs():\n    yield 'abc'\n    print('writing', flush=True)\n    time.sleep(60)\n"
-              f"prepare_data.write_dataset({str(out)!r}, {{'train': docs(), 'val': ['c']}}, "
-              f"prepare_data.get_tokenizer('char', list('abc\\n')), 'killed')\n")
-    run = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+              f"def docs():\n    yield from ['abc'] * 5\n    print('writing', flush=True)\n    time.sleep(60)\n"
+              f"if __name__ == '__main__':\n"
+              f"    prepare_data.write_dataset({str(out)!r}, {{'train': docs(), 'val': ['c']}}, "
+              f"prepare_data.get_tokenizer('char', list('abc\\n')), 'killed', num_proc=2)\n")
+    (tmp_path / "run.py").write_text(script)
+    run = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     try:
         assert run.stdout.readline() == "writing\n"
     finally:
         run.kill()
         run.wait()
+    deadline = time.time() + 10  # they end within a second; 10 s for a loaded machine
+    while process_group_alive(run.pid):
+        assert time.time() < deadline, "the tokenizing processes outlived the killed run"
+        time.sleep(0.05)
     (killed,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert ".partial-" in killed.name and (killed / "train.bin").exists()
     write_dataset(out, {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "new")
     assert not killed.exists() and leftovers(tmp_path) == [] and load_meta(out)["source"] == "new"
+
+
+def process_group_alive(group: int) -> bool:
+    """Whether a process of the group still runs (a zombie only waits for init to reap it)."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to list the processes of a group")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == group and state != "Z":
+                return True
+    return False
 
 
 def test_running_work_folder_is_kept(tmp_path, char_tokenizer):
