@@ -593,7 +593,7 @@ def test_hub_download_through_datasets_with_two_processes(tmp_path, local_hub):
 
 def test_hub_streaming_stops_after_max_tokens(tmp_path, local_hub):
     folder = prepare("openwebtext", data_dir=str(tmp_path), streaming=True, max_tokens=500,
-                     val_fraction=0.1, num_proc=2)
+                     val_fraction=0.1)
     meta = load_meta(folder)
     assert meta["train_tokens"] == 500 and "streamed" in meta["source"]
     tok = tokenizer_from_meta(meta)
