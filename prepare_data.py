@@ -27,7 +27,8 @@ Usage:
 --num_proc N tokenizes with N processes (any source); the result is byte-identical to one process.
 
 If your version of `datasets` cannot load a hub dataset, download its parquet files and pass
-the folder with --input. From Python:
+the folder with --input. From Python (with num_proc > 1, from under `if __name__ == "__main__":`,
+as multiprocessing requires):
     from prepare_data import prepare, load_meta, tokenizer_from_meta
     meta = load_meta(prepare("shakespeare", tokenizer="char"))
 """
@@ -957,7 +958,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.time()
     try:
         out = prepare(args.source, args.tokenizer, args.data_dir, args.force, **options)
-    except (FileExistsError, FileNotFoundError, PermissionError, ImportError, ValueError, RuntimeError) as e:
+    except (FileExistsError, FileNotFoundError, PermissionError, ConnectionError, ImportError, ValueError,
+            RuntimeError) as e:  # ConnectionError: the hub cannot be reached
         parser.exit(2, f"error: {e}\n")
     meta = load_meta(out)
     seconds = time.time() - start
