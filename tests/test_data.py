@@ -1,11 +1,15 @@
 """Tests of prepare_data.py: tokenizers, the Shakespeare corpus, and safe dataset writing."""
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 import types
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -235,7 +239,7 @@ def test_crash_mid_write_leaves_nothing_loadable(tmp_path, monkeypatch, char_tok
     def documents():
         yield from DOCS
         # A kill here would leave the work folder as it is now: a partial train.bin, no meta.json.
-        (partial,) = [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+        (partial,) = [p for p in tmp_path.iterdir() if ".partial-" in p.name and p.is_dir()]
         assert (partial / "train.bin").stat().st_size > 0
         with pytest.raises(FileNotFoundError, match="no meta.json"):
             load_meta(partial)
@@ -477,8 +481,310 @@ def test_cli_prepares_shakespeare_char(tmp_path):
 
     before = snapshot(folder)
     result = run_cli("shakespeare", "--tokenizer", "char", "--data_dir", data)
-    assert result.returncode == 1 and "--force" in result.stderr and str(folder) in result.stderr
+    assert result.returncode == 2 and "--force" in result.stderr and str(folder) in result.stderr
     assert snapshot(folder) == before
     result = run_cli("shakespeare", "--tokenizer", "char", "--data_dir", data, "--force")
     assert result.returncode == 0, result.stderr
     assert load_meta(folder) == meta and leftovers(tmp_path / "data") == []
+
+
+# -----------------------------------------------------------------------------
+# Parallel tokenization
+
+
+def varied_documents(plays, count: int = 24) -> list[str]:
+    """Documents of very different lengths, longest first, so that later chunks finish first."""
+    texts = [text for _, text in plays]
+    return [texts[i % len(texts)][: 40_000 // (i + 1)] for i in range(count)]
+
+
+def test_parallel_tokenization_is_byte_identical_to_serial(tmp_path, monkeypatch, plays):
+    monkeypatch.setattr(prepare_data, "DOCS_PER_BATCH", 1)  # one document per chunk: many chunks in flight
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in varied_documents(plays)))
+    folders = [prepare("docs", input=str(path), data_dir=str(tmp_path / f"n{n}"), num_proc=n) for n in (1, 2)]
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (Path(folders[0]) / name).read_bytes() == (Path(folders[1]) / name).read_bytes(), name
+
+
+def test_parallel_tokenization_reads_only_a_few_chunks_ahead(monkeypatch, char_tokenizer):
+    """An endless stream capped by max_tokens ends: the pool holds at most two chunks per process."""
+    monkeypatch.setattr(prepare_data, "DOCS_PER_BATCH", 1)
+    pulled = []
+
+    def endless():
+        while True:
+            pulled.append(len(pulled))
+            yield "To be, or not to be"
+
+    with prepare_data.chunk_encoder(char_tokenizer, "uint16", num_proc=2) as encoder:
+        chunks = encoder.encode(endless())
+        first = [ids for _, ids in islice(chunks, 3)]
+    assert [ids.tolist() for ids in first] == [char_tokenizer.encode("To be, or not to be\n\n")] * 3
+    assert len(pulled) <= 3 + 2 * 2  # the 3 consumed, and at most 2 per process in flight
+
+
+def test_every_source_passes_num_proc_to_the_writer(tmp_path, monkeypatch, write_calls):
+    (tmp_path / "a.txt").write_text("one\ntwo\nthree\n")
+    monkeypatch.setattr(prepare_data, "shakespeare_plays", lambda: [(f"p{i}", f"play {i}") for i in range(10)])
+    monkeypatch.setattr(prepare_data, "chunk_encoder", spy_chunk_encoder(calls := []))
+    prepare("shakespeare", "char", data_dir=str(tmp_path), num_proc=3)
+    prepare("mine", input=str(tmp_path / "a.txt"), data_dir=str(tmp_path), num_proc=4)
+    assert calls == [3, 4]
+
+
+def spy_chunk_encoder(calls: list):
+    """chunk_encoder that records num_proc and encodes here (no processes)."""
+    real = prepare_data.chunk_encoder
+
+    def spy(tokenizer, dtype, num_proc=1):
+        calls.append(num_proc)
+        return real(tokenizer, dtype, 1)
+
+    return spy
+
+
+def test_streamed_split_holds_out_every_kth_document_and_reads_on_demand():
+    pulled = []
+
+    def endless():
+        while True:
+            pulled.append(len(pulled))
+            yield f"doc {len(pulled) - 1}"
+
+    splits = prepare_data.held_out_stream(endless(), val_fraction=0.25)
+    train = list(islice(splits["train"], 6))
+    assert train == ["doc 1", "doc 2", "doc 3", "doc 5", "doc 6", "doc 7"]
+    assert splits["val"] == ["doc 0", "doc 4"] and len(pulled) == 8
+
+
+# -----------------------------------------------------------------------------
+# The hub path through the real `datasets` library, on files written here (no network)
+
+
+@pytest.fixture
+def local_hub(tmp_path, monkeypatch):
+    """Points openwebtext at a local folder of two parquet files, read by the real `datasets`
+    (its cache in tmp_path, the hub switched off); returns the documents in file order."""
+    datasets = pytest.importorskip("datasets")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    texts = [f"Web page {i}: " + "words and more words " * (i % 7) for i in range(400)]
+    for part in range(2):
+        pq.write_table(pa.table({"text": texts[part * 200 : (part + 1) * 200], "id": list(range(200))}),
+                       folder / f"train-{part:05d}-of-00002.parquet")
+    monkeypatch.setitem(prepare_data.HF_SOURCES, "openwebtext", (str(folder), None))
+    return texts
+
+
+def test_hub_download_through_datasets_with_two_processes(tmp_path, local_hub):
+    folders = [prepare("openwebtext", data_dir=str(tmp_path / f"n{n}"), num_proc=n, val_fraction=0.05)
+               for n in (2, 1)]
+    assert prepared_documents(Path(folders[0])) == sorted(local_hub)
+    assert load_meta(folders[0])["val_tokens"] > 0
+    for name in ("train.bin", "val.bin"):
+        assert (Path(folders[0]) / name).read_bytes() == (Path(folders[1]) / name).read_bytes()
+
+
+def test_hub_streaming_stops_after_max_tokens(tmp_path, local_hub):
+    folder = prepare("openwebtext", data_dir=str(tmp_path), streaming=True, max_tokens=500,
+                     val_fraction=0.1)
+    meta = load_meta(folder)
+    assert meta["train_tokens"] == 500 and "streamed" in meta["source"]
+    tok = tokenizer_from_meta(meta)
+    train = tok.decode(read_tokens(Path(folder), "train").tolist()).split("<|endoftext|>")
+    val = tok.decode(read_tokens(Path(folder), "val").tolist()).split("<|endoftext|>")[:-1]
+    kept = [doc for i, doc in enumerate(local_hub) if i % 10]  # documents 0, 10, 20, ... are val
+    assert train[:-1] == kept[: len(train) - 1] and kept[len(train) - 1].startswith(train[-1])
+    assert val == local_hub[: 10 * len(val) : 10] and len(val) >= 1
+
+
+# -----------------------------------------------------------------------------
+# Pre-tokenized shards
+
+
+def write_shard(path: Path, tokens, magic: int = 20240520, version: int = 1, count: int | None = None) -> None:
+    """A shard in llm.c's format: 256 int32 (magic, version, token count, zeros), then uint16 tokens."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if count is None else count
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+
+
+@pytest.fixture
+def shard_folder(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
+    folder = tmp_path / "fineweb10B"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    shards = {"fineweb_val_000000.bin": rng.integers(0, 50257, 300),
+              "fineweb_train_000001.bin": rng.integers(0, 50257, 1000),
+              "fineweb_train_000002.bin": rng.integers(0, 50257, 700)}
+    for name, tokens in shards.items():
+        write_shard(folder / name, tokens)
+    return folder, shards
+
+
+def test_shard_folder_becomes_a_dataset(tmp_path, shard_folder):
+    folder, shards = shard_folder
+    out = Path(prepare("fw", input=str(folder), data_dir=str(tmp_path / "data")))
+    meta = load_meta(out)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["eot_token"]) == ("gpt2", 50257, "uint16", 50256)
+    train = np.concatenate([shards["fineweb_train_000001.bin"], shards["fineweb_train_000002.bin"]])
+    assert read_tokens(out, "train").tolist() == train.tolist()
+    assert read_tokens(out, "val").tolist() == shards["fineweb_val_000000.bin"].tolist()
+    capped = Path(prepare("fw", input=str(folder), data_dir=str(tmp_path / "data"), max_tokens=1003, force=True))
+    assert read_tokens(capped, "train").tolist() == train[:1003].tolist()  # the cap reaches into shard 2
+    assert leftovers(tmp_path / "data") == []
+
+
+def test_hub_shards_download_only_the_files_asked_for(tmp_path, monkeypatch, shard_folder):
+    folder, shards = shard_folder
+    for name in list(shards):  # the hub's names for FineWeb-Edu's shards
+        (folder / name).rename(folder / name.replace("fineweb_", "finewebedu_"))
+    asked = []
+
+    def snapshot_download(repo_id, repo_type, allow_patterns, **options):
+        asked.append((repo_id, repo_type, allow_patterns))
+        return str(folder)
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
+    out = Path(prepare("fineweb_edu", data_dir=str(tmp_path / "data"), shards=1))
+    assert asked == [("kjj0/finewebedu10B-gpt2", "dataset",
+                      ["finewebedu_val_000000.bin", "finewebedu_train_000001.bin"])]
+    assert read_tokens(out, "train").tolist() == shards["fineweb_train_000001.bin"].tolist()
+    with pytest.raises(ValueError, match="train shards 1 to 99"):
+        prepare("fineweb_edu", data_dir=str(tmp_path / "data"), shards=100, force=True)
+
+
+def cli_error(capsys, *args: str) -> str:
+    """stderr of prepare_data's command line, which must stop with exit code 2 (bad input)."""
+    with pytest.raises(SystemExit) as stop:
+        prepare_data.main(list(args))
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("defect,message", [
+    ("truncated", "is truncated: its header says 1,000 tokens"),
+    ("extra bytes", "has extra bytes"),
+    ("no magic", "not a GPT-2 token shard"),
+    ("version 2", "version 2 shard"),
+    ("id too large", "outside GPT-2's vocabulary"),
+])
+def test_bad_shard_is_refused_with_a_message(tmp_path, capsys, shard_folder, defect, message):
+    folder, shards = shard_folder
+    path = folder / "fineweb_train_000001.bin"
+    tokens = shards["fineweb_train_000001.bin"]
+    if defect == "truncated":
+        path.write_bytes(path.read_bytes()[:-2])
+    elif defect == "extra bytes":
+        path.write_bytes(path.read_bytes() + b"\0\0")
+    elif defect == "no magic":
+        write_shard(path, tokens, magic=20240801)
+    elif defect == "version 2":
+        write_shard(path, tokens, version=2)
+    else:
+        write_shard(path, np.append(tokens, 50257))
+    error = cli_error(capsys, "fw", "--input", str(folder), "--data_dir", str(tmp_path / "data"))
+    assert message in error and str(path) in error
+    assert list((tmp_path / "data").glob("fw*")) == []  # no dataset, no work folder left
+
+
+# -----------------------------------------------------------------------------
+# Bad input: exit code 2 and a message, never a traceback or silent loss
+
+
+@pytest.mark.parametrize("flag,value", [("--max_tokens", "-5"), ("--max_tokens", "0"), ("--num_proc", "0")])
+def test_nonpositive_counts_are_refused(tmp_path, capsys, flag, value):
+    error = cli_error(capsys, "shakespeare", "--tokenizer", "char", "--data_dir", str(tmp_path), flag, value)
+    assert f"{flag} must be a whole number of at least 1, got {value}" in error
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_non_utf8_file_is_refused_naming_it(tmp_path, capsys, suffix):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / f"good{suffix}").write_text('{"text": "fine"}\n' if suffix == ".jsonl" else "fine")
+    bad = tmp_path / "corpus" / f"bad{suffix}"
+    bad.write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    error = cli_error(capsys, "mine", "--input", str(tmp_path / "corpus"), "--data_dir", str(tmp_path / "data"))
+    assert f"{bad} is not UTF-8 text" in error and "iconv" in error
+
+
+@pytest.mark.parametrize("value", [5, None, ["a list"]])
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_non_string_text_field_is_refused(tmp_path, capsys, suffix, value):
+    path = tmp_path / f"docs{suffix}"
+    if suffix == ".jsonl":
+        path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": [value, value]}), path)
+    error = cli_error(capsys, "mine", "--input", str(path), "--data_dir", str(tmp_path / "data"))
+    assert str(path) in error and f"holds {type(value).__name__}" in error and "not text" in error
+
+
+def test_non_string_hub_document_is_refused(tmp_path, monkeypatch):
+    texts = ["fine", None]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
+        load_dataset=lambda *args, **kwargs: FakeHubDataset(texts)))
+    with pytest.raises(ValueError, match="document 0 is NoneType None, not text"):  # train: the 2nd
+        prepare("openwebtext", data_dir=str(tmp_path), val_fraction=0.1)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -----------------------------------------------------------------------------
+# Work folders of killed runs
+
+
+def test_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path, char_tokenizer):
+    """SIGKILL a run that tokenizes with 2 processes: they end with it, and the next run removes its folder."""
+    out = tmp_path / "d"
+    script = (f"import time, prepare_data\n"
+              f"prepare_data.DOCS_PER_BATCH = 1\n"
+              f"def docs():\n    yield from ['abc'] * 5\n    print('writing', flush=True)\n    time.sleep(60)\n"
+              f"if __name__ == '__main__':\n"
+              f"    prepare_data.write_dataset({str(out)!r}, {{'train': docs(), 'val': ['c']}}, "
+              f"prepare_data.get_tokenizer('char', list('abc\\n')), 'killed', num_proc=2)\n")
+    (tmp_path / "run.py").write_text(script)
+    run = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    try:
+        assert run.stdout.readline() == "writing\n"
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.time() + 10  # they end within a second; 10 s for a loaded machine
+    while process_group_alive(run.pid):
+        assert time.time() < deadline, "the tokenizing processes outlived the killed run"
+        time.sleep(0.05)
+    (killed,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert ".partial-" in killed.name and (killed / "train.bin").exists()
+    write_dataset(out, {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "new")
+    assert not killed.exists() and leftovers(tmp_path) == [] and load_meta(out)["source"] == "new"
+
+
+def process_group_alive(group: int) -> bool:
+    """Whether a process of the group still runs (a zombie only waits for init to reap it)."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to list the processes of a group")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == group and state != "Z":
+                return True
+    return False
+
+
+def test_running_work_folder_is_kept(tmp_path, char_tokenizer):
+    out = tmp_path / "d"
+    with prepare_data._work_folder(out) as running:  # as another run at work would hold it
+        write_dataset(out, {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "new")
+        assert running.exists() and load_meta(out)["source"] == "new"
+    assert leftovers(tmp_path) == []
