@@ -16,7 +16,8 @@ import torch
 
 import prepare_data
 from model import GPT, GPTConfig
-from train import ConfigError, load_checkpoint
+from run_files import load_checkpoint
+from train_config import ConfigError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
