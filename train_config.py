@@ -9,9 +9,14 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import sys
+import traceback
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+
+import torch
 
 from model import GPTConfig
 
@@ -74,6 +79,7 @@ class TrainConfig:
     dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: bf16 (or fp16) on CUDA, fp32 else
     compile: bool = False
     seed: int = 1337
+    dist_timeout: float = 1800.0  # seconds a rank waits for the others (torchrun) before it stops with a message
     # the least-squares task (task="icl"); see icl_task.get_batch
     icl_pairs: int = 64
     icl_dim: int = 5
@@ -89,6 +95,55 @@ MODEL_KEYS = {f.name: f for f in fields(GPTConfig)}
 
 class ConfigError(ValueError):
     """A config key or value the user has to fix; train.py exits with code 2."""
+
+
+ADAMW_SIDE = ("adamw", "muon", "manifold_muon")  # optimizers that update some parameters with AdamW's betas
+MATRIX_OPTIMIZERS = ("muon", "manifold_muon")
+
+# When a key has an effect, given the run's TrainConfig t and GPTConfig m, and that condition in words. A key
+# set to a value other than its default where it has none prints one warning line; a new key is one row.
+TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = {
+    "beta1": (lambda t, m: t.optimizer in ADAMW_SIDE, "optimizer adamw, muon or manifold_muon"),
+    "beta2": (lambda t, m: t.optimizer in ADAMW_SIDE, "optimizer adamw, muon or manifold_muon"),
+    "momentum": (lambda t, m: t.optimizer == "sgdw", "optimizer sgdw"),
+    "nesterov": (lambda t, m: t.optimizer == "sgdw", "optimizer sgdw"),
+    "matrix_lr": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "matrix_momentum": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "ns_steps": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
+    "adjust_lr": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
+    "dual_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "dual_lr": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "dual_reset": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "msign_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "warmup_iters": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "lr_schedule": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "lr_decay_iters": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "min_lr": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "cooldown_iters": (lambda t, m: t.decay_lr and t.lr_schedule == "wsd", "lr_schedule='wsd'"),
+    "wandb_project": (lambda t, m: t.wandb_log, "wandb_log=True"),
+    "wandb_run_name": (lambda t, m: t.wandb_log, "wandb_log=True"),
+    "compact_vocab": (lambda t, m: t.task == "lm", "task='lm'"),
+    "sample_tokens": (lambda t, m: t.task == "lm", "task='lm'"),
+    **{key: (lambda t, m: t.task == "icl", "task='icl'")
+       for key in ("icl_pairs", "icl_dim", "icl_noise_std", "icl_order", "icl_bias_feature", "icl_eval_batches")},
+    "dnt_setting": (lambda t, m: m.norm_scheme == "dnt", "norm_scheme='dnt'"),
+    "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
+    "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
+    "rope_base": (lambda t, m: m.pos == "rope", "pos='rope'"),
+    "embed_fan_in": (lambda t, m: m.in_features is not None, "vector inputs (task='icl')"),
+}
+
+
+def ineffective_settings(settings: dict, train: TrainConfig, model: GPTConfig) -> list[str]:
+    """The settings that change nothing in this run (a value other than the default, where the key has no
+    effect), each with where it would have one. A base config's defaults, star-imported, are not named."""
+    found = []
+    for key, value in settings.items():
+        effective, words = TAKES_EFFECT.get(key, (lambda t, m: True, ""))
+        default = (TRAIN_KEYS if key in TRAIN_KEYS else MODEL_KEYS)[key].default
+        if value != default and not effective(train, model):
+            found.append(f"{key} (only with {words})")
+    return found
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -120,8 +175,17 @@ def read_config_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} not found (see configs/ for examples)")
     namespace: dict = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = compile(f.read(), path, "exec")
+        exec(code, namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}. A config file holds Python assignments "
+                          "such as n_layer = 6") from None
+    except Exception as e:  # an undefined name, a failed import, a division by zero, a non-UTF-8 file, ...
+        line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                     if frame.filename == path), None)
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
 
@@ -151,7 +215,10 @@ def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
     train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
     model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
     check_train_config(train)
-    check_model_args(train, model_args)
+    model = check_model_args(train, model_args)
+    ineffective = ineffective_settings(settings, train, model)
+    if ineffective and os.environ.get("RANK", "0") == "0":
+        print(f"warning: no effect in this run: {', '.join(ineffective)}", file=sys.stderr)
     return train, model_args
 
 
@@ -175,9 +242,35 @@ def check_train_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
     if not cfg.learning_rate > 0:  # the schedule divides by it
         raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
+    if cfg.min_lr > cfg.learning_rate:
+        raise ConfigError(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}; the schedule decays "
+                          "from learning_rate down to min_lr, so lower --min_lr")
+    fractions = {"momentum": cfg.optimizer == "sgdw", "matrix_momentum": cfg.optimizer in MATRIX_OPTIMIZERS,
+                 "beta1": cfg.optimizer in ADAMW_SIDE, "beta2": cfg.optimizer in ADAMW_SIDE}
+    for key, used in fractions.items():
+        if used and not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must lie in [0, 1) (optimizer {cfg.optimizer!r} uses it)")
+    if not cfg.dist_timeout > 0:
+        raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
+    check_device(cfg.device)
 
 
-def check_model_args(cfg: TrainConfig, model_args: dict) -> None:
+def check_device(device: str) -> None:
+    """A device string torch understands, of a kind this machine has."""
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device!r} is not valid; choose auto, cpu, cuda, cuda:N or mps")
+    mps = getattr(torch.backends, "mps", None)
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not (mps and mps.is_available()):
+        raise ConfigError(f"device={device!r}, but this machine has no {kind} device; use --device=cpu or auto")
+
+
+def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
     """Model values, checked before any data is read or process started."""
     try:
         config = GPTConfig(**model_args)
@@ -189,6 +282,7 @@ def check_model_args(cfg: TrainConfig, model_args: dict) -> None:
     if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
         raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "
                           f"(2 * icl_pairs = {2 * cfg.icl_pairs} tokens); raise --block_size or lower --icl_pairs")
+    return config
 
 
 def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:
