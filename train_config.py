@@ -130,7 +130,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "rope_base": (lambda t, m: m.pos == "rope", "pos='rope'"),
-    "embed_fan_in": (lambda t, m: m.in_features is not None, "vector inputs (task='icl')"),
+    "embed_fan_in": (lambda t, m: t.task == "icl" or m.in_features is not None, "vector inputs (task='icl')"),
 }
 
 

@@ -41,11 +41,17 @@ def strict_records(path) -> list[dict]:
         return [json.loads(line, parse_constant=refuse) for line in f]
 
 
-@pytest.fixture
-def finished_run(data_dir, tmp_path):
-    out = tmp_path / "run"
-    assert train.train(tiny_run_args(data_dir, str(out), max_iters=4)) == 0
+@pytest.fixture(scope="module")
+def trained_once(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert train.train(tiny_run_args(data_dir, str(out), max_iters=4, keep_every=4)) == 0
     return out
+
+
+@pytest.fixture
+def finished_run(trained_once, tmp_path):
+    """A copy of a finished 4-iteration run (ckpt.pt and ckpt_4.pt), for a test to change."""
+    return shutil.copytree(trained_once, tmp_path / "run")
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -62,17 +68,15 @@ def test_a_second_run_into_a_busy_out_dir_exits_2_naming_the_holder(monkeypatch,
     assert code == 2, err
     assert err == (f"error: out_dir '{out}' is in use by another run (process 4242 holds {out}/.lock); wait for it "
                    "to end, stop it, or choose another --out_dir\n")
-    assert sorted(os.listdir(out)) == [".lock"]
-    assert train.train(tiny_run_args(data_dir, str(out), max_iters=2)) == 0  # released: the next run may start
+    assert sorted(os.listdir(out)) == [".lock"]  # nothing written
 
 
 # ----------------------------------------------------------------------------- overwrite
 
 
-def test_overwrite_removes_the_earlier_run_before_the_new_one_starts(data_dir, tmp_path, monkeypatch):
+def test_overwrite_removes_the_earlier_run_before_the_new_one_starts(data_dir, finished_run, monkeypatch):
     """A new run that dies before its first save leaves no checkpoint of the earlier run to resume."""
-    out = str(tmp_path / "run")
-    assert train.train(tiny_run_args(data_dir, out, max_iters=4, keep_every=4)) == 0
+    out = str(finished_run)
     forward_backward = train.forward_backward
 
     def crash_at_iter_2(model, task, ddp, accum, it, *args):
