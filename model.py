@@ -153,6 +153,11 @@ def check_config(c: GPTConfig) -> None:
                          ("attn_scale", ATTN_SCALES), ("init", INITS)]:
         if getattr(c, key) is not None:
             _check_choice(key, getattr(c, key), choices)
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        if getattr(c, key) < 1:
+            raise ValueError(f"{key}={getattr(c, key)} must be at least 1")
+    if c.norm_eps < 0:
+        raise ValueError(f"norm_eps={c.norm_eps} must not be negative (it keeps the norm's division away from 0)")
     if c.n_embd % c.n_head != 0:
         raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
     if c.pos == "rope" and (c.n_embd // c.n_head) % 2 != 0:

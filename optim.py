@@ -224,11 +224,18 @@ class _MatrixAndAdamW(Optimizer):
             raise ValueError(f"param group kind must be 'matrix' or 'adamw', got {kind!r}")
         for key, value in self._kind_defaults[kind].items():
             param_group.setdefault(key, value)
+        params = param_group["params"]
+        param_group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        self._check_group(param_group)  # before it joins: a rejected group leaves the optimizer as it was
         super().add_param_group(param_group)
-        if kind == "matrix" and any(p.ndim != 2 for p in param_group["params"]):
-            shapes = [tuple(p.shape) for p in param_group["params"] if p.ndim != 2]
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if group["kind"] == "matrix" and any(p.ndim != 2 for p in group["params"]):
+            shapes = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
             raise ValueError(f"'matrix' groups take 2-D parameters only, got shapes {shapes}; "
                              "put the others in an 'adamw' group (split_params does this)")
+        if group["kind"] == "adamw" and not all(0 <= beta < 1 for beta in group["betas"]):
+            raise ValueError(f"betas={tuple(group['betas'])} of an 'adamw' group must lie in [0, 1)")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -353,6 +360,11 @@ class Muon(_MatrixAndAdamW):
                               weight_decay=adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_params, adamw_defaults, distributed)
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group["kind"] == "matrix" and group["adjust_lr"] not in MUON_LR_ADJUSTMENTS:
+            raise ValueError(f"adjust_lr must be one of {MUON_LR_ADJUSTMENTS}, got {group['adjust_lr']!r}")
+
     def _update_matrix(self, p, state, group, first_step):
         d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
                                 group["nesterov"])
@@ -427,9 +439,9 @@ class ManifoldMuon(_MatrixAndAdamW):
                               weight_decay=adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_params, adamw_defaults, distributed)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        if param_group["kind"] == "matrix" and param_group["weight_decay"] != 0:
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group["kind"] == "matrix" and group["weight_decay"] != 0:
             raise ValueError("ManifoldMuon matrices take no weight decay: the retraction "
                              "msign(W) undoes any shrink of W; set weight_decay=0 "
                              "(adamw_weight_decay still applies to the other parameters)")

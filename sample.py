@@ -9,6 +9,7 @@ Sample text from a trained checkpoint.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -16,7 +17,8 @@ import torch
 
 import prepare_data
 from model import GPT, GPTConfig
-from train import ConfigError, load_checkpoint
+from run_files import load_checkpoint
+from train_config import ConfigError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -32,6 +34,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Values generate() cannot use, each with the fix."""
+    if args.num_samples < 1:
+        raise ConfigError(f"--num_samples={args.num_samples} must be at least 1")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max_new_tokens={args.max_new_tokens} must not be negative")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} must be a number >= 0 (near 0: the likeliest token)")
+    if args.top_k < 1:
+        raise ConfigError(f"--top_k={args.top_k} must be at least 1")
+
+
+def read_prompt(start: str) -> str:
+    """The prompt text: --start itself, or the file named by --start=FILE:path."""
+    if start.startswith("FILE:"):
+        try:
+            with open(start[5:], encoding="utf-8") as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read the prompt file {start[5:]!r} ({getattr(e, 'strerror', None) or e}); "
+                              "give an existing UTF-8 text file after FILE:") from None
+    if not start:
+        raise ConfigError("the prompt is empty; give at least one character with --start (the default is a newline)")
+    return start
+
+
 def load_model(out_dir: str, device: str) -> tuple[GPT, prepare_data.Tokenizer]:
     checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
     if "data_meta" not in checkpoint:
@@ -44,14 +72,12 @@ def load_model(out_dir: str, device: str) -> tuple[GPT, prepare_data.Tokenizer]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
+        check_args(args)
+        start = read_prompt(args.start)
         model, tokenizer = load_model(args.out_dir, args.device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    start = args.start
-    if start.startswith("FILE:"):
-        with open(start[5:], encoding="utf-8") as f:
-            start = f.read()
     try:
         prompt = torch.tensor([tokenizer.encode(start)], dtype=torch.long, device=args.device)
     except ValueError as e:  # a symbol outside the model's vocabulary

@@ -8,7 +8,7 @@ Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
         --nproc_per_node=8 train.py configs/geonorm_125m.py     # then node_rank=1 on the other
 
 A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it. Every key is
-a field of `TrainConfig` below or of `model.GPTConfig`; anything else stops with a message.
+a field of `train_config.TrainConfig` or of `model.GPTConfig`; anything else stops with a message.
 
 Reproducibility: micro-batch k of iteration i (k counts over all ranks) sees data and dropout
 masks that depend only on (seed, i, k): its window is drawn from that seed and the global RNG is
@@ -21,16 +21,21 @@ logged loss likewise), so losses then agree to rounding (~1e-6 relative), not bi
 resume the config's hyperparameters (learning rate, weight decay, ...) apply; the architecture
 is the checkpoint's and may not be changed, except dropout.
 
-Exit codes: 0 done, 1 crash (an uncaught error), 2 bad config or input, 3 diverged: a
-non-finite loss or parameter; metrics.jsonl then ends with {"kind": "status", "status":
-"diverged", "iter": N, ...} and the last checkpoint, written from finite state only, is kept.
-Every rank reaches that verdict from all-reduced values, so all stop together (torchrun itself
-then exits 1 and names exit code 3 as the root cause). The step loop has no extra host sync: the
-first non-finite iteration is kept on the device and read at log and eval iterations.
+Exit codes: 0 done, 1 crash (an uncaught error, or a rank that waited dist_timeout seconds for the
+others), 2 bad config or input, 3 diverged: a non-finite loss or parameter; metrics.jsonl then ends
+with {"kind": "status", "status": "diverged", "iter": N, ...} and the last checkpoint, written from
+finite state only, is kept. Every rank reaches that verdict from all-reduced values, so all stop
+together (torchrun itself then exits 1 and names exit code 3 as the root cause). The step loop has no
+extra host sync: the first non-finite iteration is kept on the device and read at log and eval iterations.
 With skip_nonfinite=N a batch whose loss or gradient is not finite is skipped instead (no update,
 as in Bir et al.'s training loop, which checks the loss; a finite loss can still back-propagate an
 overflow, so the gradient norm is checked too; one host sync per step), up to N times before the
-run counts as diverged; non-finite parameters still stop it at once.
+run counts as diverged; non-finite parameters still stop it at once, and so does a non-finite eval
+loss at the end of the run or after an interval in which every step was skipped. No checkpoint is
+written from a state whose eval loss is not finite.
+Exit code 4: stopped by SIGTERM or SIGINT, the last completed iteration saved and {"kind": "status",
+"status": "stopped", ...} logged; one process checks after every iteration, several agree at the next
+log line (in the all-reduce they do there anyway). A second SIGINT stops at once: exit code 130.
 
 Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
 and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
@@ -39,19 +44,16 @@ and the tail of |g|, from the gradients that iteration's step applies) and log_g
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import difflib
-import json
 import math
 import os
-import pickle
+import signal
 import sys
+import threading
 import time
-import types
-import typing
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -60,194 +62,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 from model import GPT, GeodesicStep, GPTConfig, block_activation_rms
+from run_files import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_NAME,
+    MetricsLog,
+    OutDirLock,
+    load_checkpoint,
+    previous_run_files,
+    remove_previous_run,
+    save_checkpoint,
+)
+from train_config import MODEL_KEYS, TRAIN_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
 
-EXIT_CONFIG, EXIT_DIVERGED = 2, 3
-CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
+EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
 TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
 NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 GRAD_HIST_LOG10_EDGES = list(range(-12, 1))  # |g| histogram: <1e-12, [1e-12, 1e-11), ..., >=1
-
-
-@dataclass
-class TrainConfig:
-    # I/O
-    out_dir: str = "out"
-    eval_interval: int = 250
-    log_interval: int = 10
-    eval_iters: int = 20
-    eval_only: bool = False
-    always_save_checkpoint: bool = True
-    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
-    overwrite: bool = False  # let a scratch run replace an existing out_dir/ckpt.pt
-    keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: only the last)
-    sample_tokens: int = 0  # print a sample of this many tokens from the final model
-    # logging
-    wandb_log: bool = False
-    wandb_project: str = "nanonorm"
-    wandb_run_name: str = "run"
-    # diagnostics written to the eval lines of metrics.jsonl (each costs one extra pass per eval)
-    log_grad_stats: bool = False  # per-parameter gradient norms and the tail of |g| (DNT Fig. 1)
-    log_geonorm_angles: bool = False  # GeoNorm's applied angle theta' per residual update
-    # data
-    task: str = "lm"  # "lm" (next-token prediction) or "icl" (Bir et al.'s least-squares task)
-    dataset: str = "shakespeare_char"
-    compact_vocab: bool = False  # output only the token ids the dataset uses (small corpora: a cheaper head)
-    data_dir: str = "data"
-    gradient_accumulation_steps: int = 1  # global count, divided among the ranks
-    batch_size: int = 12  # per micro-batch
-    # optimizer and schedule
-    optimizer: str = "adamw"  # see optim.OPTIMIZERS
-    learning_rate: float = 6e-4
-    max_iters: int = 5000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    momentum: float = 0.9  # sgdw's momentum
-    nesterov: bool = False  # sgdw
-    matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
-    matrix_momentum: float = 0.95
-    dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
-    dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
-    dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
-    msign_steps: int = 10  # manifold_muon: iterations of msign (the retraction's accuracy)
-    ns_steps: int = 5  # muon: Newton-Schulz steps
-    adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
-    grad_clip: float = 1.0  # 0 disables
-    skip_nonfinite: int = 0  # drop the update of up to this many non-finite batches (loss or gradient); 0: stop
-    decay_lr: bool = True
-    lr_schedule: str = "cosine"  # after warmup: "cosine" to min_lr (nanoGPT), or "wsd": flat, then linear
-    warmup_iters: int = 100
-    lr_decay_iters: int = 5000  # the schedule reaches min_lr here
-    cooldown_iters: int = 0  # wsd: the linear decay to min_lr takes the last cooldown_iters before lr_decay_iters
-    min_lr: float = 6e-5
-    # system
-    backend: str = "auto"  # "nccl", "gloo", or "auto" (nccl on CUDA, gloo otherwise)
-    device: str = "auto"  # "auto" picks cuda, then mps, then cpu
-    dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: bf16 (or fp16) on CUDA, fp32 else
-    compile: bool = False
-    seed: int = 1337
-    # the least-squares task (task="icl"); see icl_task.get_batch
-    icl_pairs: int = 64
-    icl_dim: int = 5
-    icl_noise_std: float = 0.01
-    icl_order: str = "random"
-    icl_bias_feature: bool = True
-    icl_eval_batches: int = 8  # size of the fixed eval set, in batches of batch_size
-
-
-TRAIN_KEYS = {f.name: f for f in fields(TrainConfig)}
-MODEL_KEYS = {f.name: f for f in fields(GPTConfig)}
-
-
-class ConfigError(ValueError):
-    """A config key or value the user has to fix; train.py exits with code 2."""
-
-
-# ----------------------------------------------------------------------------- configuration
-
-
-def _expected_types(name: str) -> tuple[type, ...]:
-    owner = TrainConfig if name in TRAIN_KEYS else GPTConfig
-    hint = typing.get_type_hints(owner)[name]
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    allowed = tuple(type(None) if a is type(None) else a for a in args)
-    return allowed + ((int,) if float in allowed else ())
-
-
-def check_value(name: str, value: object) -> object:
-    """Check a value against the key's type; ints are accepted for floats."""
-    if name not in TRAIN_KEYS and name not in MODEL_KEYS:
-        close = difflib.get_close_matches(name, [*TRAIN_KEYS, *MODEL_KEYS], n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"unknown config key '{name}'{hint}")
-    allowed = _expected_types(name)
-    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed[:2])
-        raise ConfigError(f"config key '{name}' expects {names}, got {value!r} ({type(value).__name__})")
-    return float(value) if float in allowed and isinstance(value, int) and not isinstance(value, bool) else value
-
-
-def read_config_file(path: str) -> dict:
-    """Execute a config file of plain assignments and return its public names."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} not found (see configs/ for examples)")
-    namespace: dict = {}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
-
-
-def parse_overrides(args: list[str]) -> dict:
-    overrides = {}
-    for arg in args:
-        if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"cannot parse argument {arg!r}: use --key=value")
-        key, text = arg[2:].split("=", 1)
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text  # a bare word is a string: --norm_scheme=geonorm
-        overrides[key] = value
-    return overrides
-
-
-def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
-    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
-    settings: dict = {}
-    if argv and not argv[0].startswith("--"):
-        settings.update(read_config_file(argv[0]))
-        argv = argv[1:]
-    settings.update(parse_overrides(argv))
-    settings = {k: check_value(k, v) for k, v in settings.items()}
-    train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
-    model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
-    check_train_config(train)
-    check_model_args(train, model_args)
-    return train, model_args
-
-
-def check_train_config(cfg: TrainConfig) -> None:
-    import optim
-
-    choices = {"init_from": ("scratch", "resume"), "task": ("lm", "icl"),
-               "optimizer": optim.OPTIMIZERS, "dtype": ("auto", "float32", "bfloat16", "float16"),
-               "backend": ("auto", "nccl", "gloo"), "icl_order": ("random", "xy", "yx"),
-               "adjust_lr": ("original", "match_rms_adamw"), "lr_schedule": ("cosine", "wsd")}
-    for key, valid in choices.items():
-        if getattr(cfg, key) not in valid:
-            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
-    for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                "icl_pairs", "icl_dim", "icl_eval_batches"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
-                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
-    if not cfg.learning_rate > 0:  # the schedule divides by it
-        raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
-
-
-def check_model_args(cfg: TrainConfig, model_args: dict) -> None:
-    """Model values, checked before any data is read or process started."""
-    try:
-        config = GPTConfig(**model_args)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if not 0 <= config.dropout < 1:
-        raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
-    block_size = model_args.get("block_size")
-    if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
-        raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "
-                          f"(2 * icl_pairs = {2 * cfg.icl_pairs} tokens); raise --block_size or lower --icl_pairs")
-
-
-def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:
-    if cfg.gradient_accumulation_steps % world_size:
-        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
-                          f"the number of processes ({world_size}); it is the global count, split among them")
-    return cfg.gradient_accumulation_steps // world_size
 
 
 # ----------------------------------------------------------------------------- system
@@ -277,8 +108,69 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
     if device.startswith("cuda"):
         device = f"cuda:{ddp.local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout))
     return ddp, device
+
+
+class LostRanks(RuntimeError):
+    """A collective failed: another rank stalled past dist_timeout, or ended. main() prints one line, exit 1."""
+
+
+def lost_ranks(error: RuntimeError, cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> LostRanks | None:
+    """What a failed collective means for the user, or None for an error of another kind. Gloo raises
+    "Timed out waiting ..." (NCCL's watchdog ends the process itself, with its own message)."""
+    what = " ".join(str(error).split())[:200]
+    if "timed out" in what.lower():
+        return LostRanks(f"rank {ddp.rank} waited more than dist_timeout={cfg.dist_timeout:g}s for the other ranks: "
+                         "one of them stalled (hung I/O, a stuck device) or died. The last checkpoint is kept; fix "
+                         "the cause and continue with --init_from=resume, or raise --dist_timeout if a step can "
+                         f"legitimately take that long ({what})")
+    if stop.received:  # torchrun sends SIGTERM to the others when a rank ends: they cannot reach a common stop
+        return LostRanks(f"rank {ddp.rank} got {stop.received}, but another rank had ended already ({what}); "
+                         "the last checkpoint is kept")
+    return None
+
+
+@contextlib.contextmanager
+def claim_out_dir(out_dir: str, ddp: Dist, device: str):
+    """Rank 0 holds out_dir's lock for the whole run; every rank learns whether it got it, so all stop together."""
+    lock, error = None, None
+    if ddp.master:
+        try:
+            lock = OutDirLock(out_dir)
+        except ConfigError as e:
+            error = e
+    if not all_ranks(torch.tensor(float(error is None), device=device), ddp, dist.ReduceOp.MIN).item():
+        raise error or ConfigError(f"rank 0 could not claim out_dir {out_dir!r} (see its message)")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class StopSignals:
+    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun) and SIGINT ask
+    the loop to stop after the current iteration with a checkpoint of it; a second SIGINT stops at once
+    (KeyboardInterrupt). The previous handlers come back when the run ends."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python handles signals only there
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signal.Signals(signum).name
 
 
 def all_ranks(t: torch.Tensor, ddp: Dist, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -331,6 +223,7 @@ class TextData:
             if len(data) <= block_size + 1:
                 raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
                                   f"({len(data)} tokens); use a smaller --block_size")
+        check_token_ids(self.meta, self.arrays, path)
         self.to_compact = None
         if cfg.compact_vocab:  # model id k stands for dataset id token_ids[k]; one pass over the data
             used = np.unique(np.concatenate([np.unique(data) for data in self.arrays.values()]))
@@ -355,6 +248,21 @@ class TextData:
         else:
             xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
+
+
+def check_token_ids(meta: dict, arrays: dict[str, np.ndarray], path: str) -> None:
+    """meta.json's vocab_size is its tokenizer's and every id in the data lies below it; else training would
+    crash on an IndexError, or train to the end and fail at sampling."""
+    rebuild = prepare_data.prepare_command(os.path.basename(path), os.path.dirname(path), force=True)
+    try:
+        prepare_data.tokenizer_from_meta(meta)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"{path}/meta.json does not fit its tokenizer: {e}. Rebuild it with:\n  {rebuild}") from None
+    for split, data in arrays.items():
+        top = int(data.max())  # one pass over the memmapped file
+        if top >= meta["vocab_size"]:
+            raise ConfigError(f"{path}/{split}.bin holds token id {top}, outside meta.json's vocabulary of "
+                              f"{meta['vocab_size']}. Rebuild it with:\n  {rebuild}")
 
 
 class LanguageModelTask:
@@ -401,52 +309,13 @@ def val_inputs(task) -> torch.Tensor:
     return model_inputs(next(iter(task.eval_batches("val", Dist()))))
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    """Write atomically (temp file, fsync, rename, fsync of the folder): a crash at any moment
-    leaves the previous file or the new one under `path`, and at most a stale `path`.tmp."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX)
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def load_checkpoint(path: str, device: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConfigError(f"init_from='resume' but there is no checkpoint at {path}; "
-                          "train with init_from='scratch' first or fix --out_dir")
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # a truncated zip, a text file, a pickle of other objects, ...
-        why = ("weights-only loading refused its contents" if isinstance(e, pickle.UnpicklingError)  # long, off-topic
-               else f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
-        raise ConfigError(f"checkpoint {path} cannot be read ({why}); it may be truncated, or not a nanoNorm "
-                          "checkpoint. Nothing was changed; restore it or start a new run with another --out_dir"
-                          ) from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"{path} is not a nanoNorm checkpoint (no '{CHECKPOINT_FORMAT}' marker); nothing was changed")
-    return state
+# ----------------------------------------------------------------------------- resume and state
 
 
 def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict) -> dict:
     """The checkpoint's architecture, after checking that this run's settings fit it."""
     saved, old = checkpoint["model_args"], checkpoint["config"]
-    if old["optimizer"] != cfg.optimizer:
+    if old["optimizer"] != cfg.optimizer and not cfg.eval_only:
         raise ConfigError(f"the checkpoint was trained with optimizer={old['optimizer']!r}, this run asks for "
                           f"{cfg.optimizer!r}; its optimizer state would not fit. Pass --optimizer={old['optimizer']}")
     wanted = {**task.model_defaults, **model_args}
@@ -495,43 +364,6 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
     progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
 
-
-class MetricsLog:
-    """metrics.jsonl: one JSON object per line. A fresh run starts it anew, a resumed run drops the
-    lines past its checkpoint (and a line cut short by a kill), an eval-only run appends."""
-
-    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, append: bool = False,
-                 wandb_run=None):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, "metrics.jsonl"), enabled, wandb_run
-        self.checkpoint_path = os.path.join(out_dir, "ckpt.pt")
-        if not enabled or append or not os.path.exists(self.path):
-            return
-        if resume_iter is None:
-            os.remove(self.path)
-            return
-        with open(self.path) as f:
-            kept = [line for line in f if self._before_resume(line, resume_iter)]
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
-
-    @staticmethod
-    def _before_resume(line: str, resume_iter: int) -> bool:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            return False  # cut short by a kill mid-write
-        # the resumed run re-logs the evaluation at resume_iter and everything after it
-        it = record.get("iter", 0)
-        return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
-
-    def write(self, **record) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))
 
 
 def device_peak_flops(device: str, dtype: torch.dtype = torch.float32) -> float:
@@ -621,6 +453,9 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         gptconf = GPTConfig(**model_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.task == "lm" and gptconf.vocab_size < task.data.vocab_size:
+        raise ConfigError(f"vocab_size={gptconf.vocab_size} is smaller than the dataset's vocabulary of "
+                          f"{task.data.vocab_size} tokens; drop --vocab_size (the data sets it) or raise it")
     if cfg.log_geonorm_angles and gptconf.scheme.combine != "geodesic":
         raise ConfigError(f"log_geonorm_angles needs GeoNorm's geodesic step (norm_scheme='geonorm' or "
                           f"combine='geodesic'); this model combines by {gptconf.scheme.combine!r}")
@@ -634,7 +469,7 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
         dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
         msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
-    if checkpoint is not None:
+    if checkpoint is not None and not cfg.eval_only:  # evaluation needs no optimizer state
         settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(checkpoint["optimizer"])
         for group, fresh in zip(optimizer.param_groups, settings, strict=True):
@@ -688,10 +523,26 @@ def batch_is_finite(loss_sum: torch.Tensor, grad_norm: torch.Tensor, scaler) -> 
     return finite.float()
 
 
-def first_nonfinite_iter(first_bad: torch.Tensor, ddp: Dist) -> int | None:
-    """The earliest iteration, over all ranks, whose training loss was not finite (one host sync)."""
-    it = int(all_ranks(first_bad, ddp, dist.ReduceOp.MIN).item())
-    return None if it == NEVER else it
+def check_in(first_bad: torch.Tensor, stop: StopSignals, ddp: Dist) -> tuple[int | None, bool]:
+    """The earliest iteration, over all ranks, whose training loss was not finite, and whether any rank was
+    asked to stop: one all-reduce and one host sync, so that every rank acts on the same answer."""
+    state = torch.stack([first_bad, torch.tensor(-int(stop.received is not None), device=first_bad.device)])
+    bad, stop_flag = all_ranks(state, ddp, dist.ReduceOp.MIN).tolist()
+    return (None if bad == NEVER else bad), stop_flag < 0
+
+
+def eval_divergence(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, skips: int) -> str | None:
+    """Why a non-finite eval loss ends the run, or None (a finite loss, or skip_nonfinite may still recover).
+    `steps` iterations ran since the previous evaluation and `skips` of them were skipped."""
+    if finite:
+        return None
+    if not cfg.skip_nonfinite:
+        return "non-finite eval loss or state"
+    if at_end:
+        return "non-finite eval loss at the end of the run"
+    if steps and skips == steps:  # the weights cannot change any more
+        return f"non-finite eval loss, and all {steps} steps since the last evaluation skipped"
+    return None
 
 
 def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
@@ -723,16 +574,45 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
 def train(argv: list[str]) -> int:
     cfg, model_args = load_config(argv)
     ddp, device = setup_distributed(cfg)
+    stop = StopSignals()
+    try:
+        with claim_out_dir(cfg.out_dir, ddp, device), stop:
+            return run(cfg, model_args, ddp, device, stop)
+    except RuntimeError as e:
+        lost = lost_ranks(e, cfg, ddp, stop) if ddp.world_size > 1 else None
+        if lost is None:
+            raise
+        raise lost from None
+
+
+def starting_point(cfg: TrainConfig, device: str) -> dict | None:
+    """The checkpoint a resumed or eval-only run starts from; None for a new run, which may replace an earlier
+    run's files only with --overwrite=True."""
+    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
+    if cfg.init_from == "resume" or cfg.eval_only:
+        if not os.path.exists(ckpt_path):
+            needs = "eval_only evaluates out_dir's checkpoint" if cfg.eval_only else "init_from='resume'"
+            raise ConfigError(f"{needs}, but there is no checkpoint at {ckpt_path}; train one first "
+                              "(init_from='scratch') or fix --out_dir")
+        return load_checkpoint(ckpt_path, device)
+    checkpoints = [name for name in previous_run_files(cfg.out_dir) if name.endswith(".pt")]
+    if checkpoints and not cfg.overwrite:
+        raise ConfigError(f"a run's checkpoint already exists in {cfg.out_dir} ({', '.join(checkpoints)}); continue "
+                          "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
+                          "its checkpoints and metrics and start anew")
+    return None
+
+
+def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSignals) -> int:
     accum = accumulation_per_rank(cfg, ddp.world_size)
-    if ddp.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    checkpoint = load_checkpoint(ckpt_path, device) if cfg.init_from == "resume" else None
-    if checkpoint is None and os.path.exists(ckpt_path) and not cfg.overwrite and not cfg.eval_only:
-        raise ConfigError(f"{ckpt_path} already exists; continue it with --init_from=resume, choose another "
-                          "--out_dir, or pass --overwrite=True to replace it")
+    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
+    checkpoint = starting_point(cfg, device)
     task = make_task(cfg, model_args, device, ddp.master)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
+    if ddp.master and checkpoint is None:  # everything is ready: the earlier run's files go now, not before
+        removed = remove_previous_run(cfg.out_dir)
+        if removed:
+            print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
     raw_model = model
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
@@ -753,7 +633,7 @@ def train(argv: list[str]) -> int:
         import wandb
 
         wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
-    log = MetricsLog(cfg.out_dir, ddp.master, iter_num if checkpoint else None, cfg.eval_only, wandb_run)
+    log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size
@@ -765,7 +645,8 @@ def train(argv: list[str]) -> int:
         if checkpoint:
             changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
                        if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
-            print(f"resuming at iter {iter_num} (saved by {checkpoint['world_size']} process(es))"
+            print(f"{'evaluating' if cfg.eval_only else 'resuming'} at iter {iter_num} "
+                  f"(saved by {checkpoint['world_size']} process(es))"
                   + (f"; changed: {', '.join(changed)}" if changed else ""))
 
     def checkpoint_state() -> dict:
@@ -777,16 +658,19 @@ def train(argv: list[str]) -> int:
     # the first iteration with a non-finite training loss, kept on the device: no sync per step
     first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
     t_last, iters_since_log = time.perf_counter(), 0
+    eval_iter, eval_skipped, eval_finite = iter_num, skipped, True  # the last evaluation's, for the next one
     while True:
         if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
             metrics = evaluate(model, raw_model, task, ddp, autocast)
-            # never save a checkpoint from non-finite state; all ranks agree
-            finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())  # the model's own
-            finite = finite or cfg.skip_nonfinite > 0  # when skipping, only non-finite state stops the run
-            if all_ranks(torch.tensor(float(not finite or bool(nonfinite_state(raw_model, optimizer))),
+            # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
+            finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())
+            reason = eval_divergence(cfg, finite, iter_num >= cfg.max_iters or cfg.eval_only,
+                                     iter_num - eval_iter, skipped - eval_skipped)
+            eval_iter, eval_skipped, eval_finite = iter_num, skipped, finite
+            if all_ranks(torch.tensor(float(reason is not None or bool(nonfinite_state(raw_model, optimizer))),
                                       device=device), ddp).item():
-                return report_divergence(log, ddp, iter_num, "non-finite eval loss or state", raw_model, optimizer,
-                                         val_inputs(task))
+                return report_divergence(log, ddp, iter_num, reason or "non-finite eval loss or state", raw_model,
+                                         optimizer, val_inputs(task))
             if cfg.log_geonorm_angles:
                 metrics.update(geonorm_angles(raw_model, val_inputs(task)))
             if cfg.log_grad_stats:  # the gradients this iteration's step will apply (same batches and masks)
@@ -799,7 +683,7 @@ def train(argv: list[str]) -> int:
                                                        if isinstance(v, float)))
                 improved = metrics["val_loss"] < best_val
                 best_val = min(best_val, metrics["val_loss"])
-                if iter_num > start_iter and not cfg.eval_only and (cfg.always_save_checkpoint or improved):
+                if iter_num > start_iter and not cfg.eval_only and finite and (cfg.always_save_checkpoint or improved):
                     state = checkpoint_state()
                     save_checkpoint(ckpt_path, state)
                     if cfg.keep_every and iter_num % cfg.keep_every == 0:
@@ -838,8 +722,12 @@ def train(argv: list[str]) -> int:
         iters_since_log += 1
 
         log_now = iter_num % cfg.log_interval == 0
-        if log_now or iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters:  # before any log or save
-            bad_iter = first_nonfinite_iter(first_bad, ddp)  # the same on every rank, so all stop together
+        # before any log or save; one process also checks for a stop signal after every step (no sync needed),
+        # several at these points only, where they sync anyway
+        stop_now = False
+        if (log_now or iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters
+                or (ddp.world_size == 1 and stop.received)):
+            bad_iter, stop_now = check_in(first_bad, stop, ddp)  # the same on every rank, so all stop together
             if bad_iter is not None:
                 return report_divergence(log, ddp, bad_iter + 1, "non-finite training loss", raw_model, optimizer,
                                          model_inputs(task.train_batch(bad_iter, 0)))
@@ -854,10 +742,30 @@ def train(argv: list[str]) -> int:
                 log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"],
                           ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=mfu,
                           **({"skipped": skipped} if cfg.skip_nonfinite else {}))
+        if stop_now:  # after the iteration's train line, so the log has every completed iteration
+            keep = eval_finite and not nonfinite_state(raw_model, optimizer)
+            return stop_with_checkpoint(log, ddp, stop, iter_num, checkpoint_state() if keep else None, ckpt_path)
 
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)
     return 0
+
+
+def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
+                         ckpt_path: str) -> int:
+    """Save the last completed iteration (state; None when it is not finite) and log the stop. Every rank
+    calls this at the same iteration; rank 0 writes."""
+    if ddp.master:
+        if state is not None:
+            save_checkpoint(ckpt_path, state)
+        saved = (f"saved iter {iteration} to {ckpt_path}" if state is not None else
+                 "its state is not finite, so the last checkpoint is kept")
+        print(f"{stop.received or 'a stop signal on another rank'}: stopped after iter {iteration}; {saved}. "
+              "Continue with --init_from=resume", file=sys.stderr)
+        log.write(kind="status", status="stopped", iter=iteration, signal=stop.received, saved=state is not None)
+    if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
+        dist.barrier()
+    return EXIT_STOPPED
 
 
 def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:
@@ -874,6 +782,13 @@ def main() -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         code = EXIT_CONFIG
+    except KeyboardInterrupt:  # a second SIGINT, or one before the run's handlers were installed
+        print("interrupted by SIGINT: stopped at once, without a checkpoint of the current iteration",
+              file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    except LostRanks as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

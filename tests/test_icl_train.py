@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import train
-from model import GPT, GPTConfig
 
 D = 5
 ZERO_PREDICTOR_LOSS = D  # E||y||^2 with y = x W, x ~ N(0, I), W ~ N(0, 1/D)
@@ -98,19 +97,34 @@ def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
     assert status["kind"] == "status" and status["status"] == "diverged" and status["iter"] == 0
 
 
-def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path):
+def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path, monkeypatch):
     """skip_nonfinite=N drops the update of a batch whose loss is not finite (Bir et al.'s training loop),
-    up to N times. The plain residual overflows on every batch, so every step is dropped."""
+    up to N times. The plain residual overflows on every batch, so every step is dropped; its final
+    evaluation is not finite, so the run ends as diverged without writing a checkpoint of that state."""
     out = str(tmp_path / "skip")
     none = dict(norm_scheme="none", n_layer=15, batch_size=8, icl_eval_batches=1, log_interval=1)
-    assert train.train(run_args(out, **none, max_iters=3, eval_interval=3, skip_nonfinite=5)) == 0
+    initial, final = {}, {}
+    build, report_divergence = train.build, train.report_divergence
+
+    def keep_initial_weights(*args):
+        gptconf, model, optimizer = build(*args)
+        initial.update({k: v.clone() for k, v in model.state_dict().items()})
+        return gptconf, model, optimizer
+
+    def keep_final_weights(log, ddp, iteration, reason, model, *args):
+        final.update(model.state_dict())
+        return report_divergence(log, ddp, iteration, reason, model, *args)
+
+    monkeypatch.setattr(train, "build", keep_initial_weights)
+    monkeypatch.setattr(train, "report_divergence", keep_final_weights)
+    code = train.train(run_args(out, **none, max_iters=3, eval_interval=3, skip_nonfinite=5))
+    assert code == train.EXIT_DIVERGED
     records = read_metrics(out)
     assert [r["skipped"] for r in records if r["kind"] == "train"] == [1, 2, 3]
-    assert not math.isfinite(eval_records(records)[-1]["val_loss"])  # logged, but not a divergence
-    checkpoint = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    torch.manual_seed(SETTINGS["seed"])  # train.py builds the model right after seeding
-    initial = GPT(GPTConfig(**checkpoint["model_args"])).state_dict()
-    assert all(torch.equal(initial[k], v) for k, v in checkpoint["model"].items())
+    assert eval_records(records)[-1]["val_loss"] is None  # NaN, logged as null
+    assert records[-1]["reason"] == "non-finite eval loss at the end of the run"
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert final.keys() == initial.keys() and all(torch.equal(initial[k], v) for k, v in final.items())
     # one more than allowed is a divergence, reported at the iteration of the step that was not taken
     out = str(tmp_path / "too_many")
     assert train.train(run_args(out, **none, max_iters=6, eval_interval=6, skip_nonfinite=2)) == train.EXIT_DIVERGED

@@ -1,0 +1,262 @@
+"""
+The files of a run in its out_dir, and the rules that keep them from lying:
+
+    .lock             held (flock) by the one run writing this folder; the kernel releases it however the run ends
+    ckpt.pt           the last checkpoint, written atomically
+    ckpt.pt.sha256    its SHA-256 (`sha256sum -c ckpt.pt.sha256` checks it), verified on every load
+    ckpt_<iter>.pt    kept checkpoints (keep_every), each with its own .sha256
+    metrics.jsonl     one strict JSON object per line; a non-finite number is written as null
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import math
+import os
+import pickle
+
+import torch
+
+from train_config import ConfigError
+
+CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
+LOCK_NAME, METRICS_NAME, CHECKPOINT_NAME = ".lock", "metrics.jsonl", "ckpt.pt"
+RUN_FILE_PATTERNS = ("ckpt*.pt", "ckpt*.pt.sha256", "ckpt*.tmp", "metrics.jsonl*")  # what one run writes
+
+
+# ----------------------------------------------------------------------------- the out_dir lock
+
+
+class OutDirLock:
+    """An exclusive lock on out_dir for as long as this object lives (flock on out_dir/.lock). The kernel
+    drops an flock when its process ends, even by SIGKILL, so a dead run never leaves its folder locked."""
+
+    def __init__(self, out_dir: str):
+        if not out_dir:
+            raise ConfigError("out_dir is empty; give the run a folder with --out_dir=PATH")
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ConfigError(f"out_dir {out_dir!r} is a file, not a folder; choose another --out_dir")
+        self.path = os.path.join(out_dir, LOCK_NAME)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"cannot write to out_dir {out_dir!r} ({e.strerror}); choose a writable --out_dir"
+                              ) from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise ConfigError(f"out_dir {out_dir!r} is in use by another run (process {holder} holds {self.path}); "
+                              "wait for it to end, stop it, or choose another --out_dir") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> OutDirLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def previous_run_files(out_dir: str) -> list[str]:
+    """The checkpoints and metrics an earlier run left in out_dir (sorted names)."""
+    found = {os.path.basename(p) for pattern in RUN_FILE_PATTERNS for p in glob.glob(os.path.join(out_dir, pattern))}
+    return sorted(found)
+
+
+def remove_previous_run(out_dir: str) -> list[str]:
+    """Delete what an earlier run left (checkpoints, their checksums, metrics), so a new run never mixes
+    with it. Returns the names removed."""
+    names = previous_run_files(out_dir)
+    for name in names:
+        os.remove(os.path.join(out_dir, name))
+    return names
+
+
+# ----------------------------------------------------------------------------- checkpoints and checksums
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what passes through it: the checksum costs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def checksum_path(path: str) -> str:
+    return f"{path}.sha256"
+
+
+def _fsync_folder(path: str) -> None:
+    with contextlib.suppress(OSError):  # make a rename durable (POSIX)
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_folder(path)
+
+
+def recorded_checksums(path: str) -> list[str]:
+    """The SHA-256 digests listed in path.sha256 (sha256sum's format); [] when there is none."""
+    try:
+        with open(checksum_path(path), errors="replace") as f:
+            return [line.split()[0] for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _write_checksums(path: str, digests: list[str]) -> None:
+    lines = "".join(f"{d}  {os.path.basename(path)}\n" for d in dict.fromkeys(digests))
+    _write_atomically(checksum_path(path), lines.encode())
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write `state` to `path` with its SHA-256 in path.sha256, so that a crash at any moment leaves a
+    checkpoint that matches its checksum (and at most a stale .tmp): the new digest joins the checksum
+    file before the rename (either file under `path` then verifies) and the old one leaves after it."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = writer.sha256.hexdigest()
+        _write_checksums(path, [digest, *recorded_checksums(path)])
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_folder(path)
+    _write_checksums(path, [digest])
+
+
+def _file_sha256(f) -> str:
+    sha256 = hashlib.sha256()
+    while chunk := f.read(1 << 24):
+        sha256.update(chunk)
+    return sha256.hexdigest()
+
+
+def load_checkpoint(path: str, device: str) -> dict:
+    """A checkpoint whose bytes match its recorded SHA-256, then read with weights_only (no code runs)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"there is no checkpoint at {path}; train with init_from='scratch' first or fix --out_dir")
+    for _ in range(3):  # a save that lands between reading the file and its checksum: read both again
+        with open(path, "rb") as f:
+            digest, inode = _file_sha256(f), os.fstat(f.fileno()).st_ino
+            recorded = recorded_checksums(path)
+            if digest in recorded:
+                f.seek(0)
+                return _read_checkpoint(path, f, device)
+        if os.stat(path).st_ino == inode:
+            break
+    folder, name = os.path.split(path)
+    if not recorded:
+        raise ConfigError(f"checkpoint {path} has no checksum file {checksum_path(path)}, so its integrity cannot "
+                          f"be verified. If you trust it, record its checksum with: cd {folder or '.'} && "
+                          f"sha256sum {name} > {name}.sha256")
+    raise ConfigError(f"checkpoint {path} does not match its checksum (SHA-256 {digest[:16]}..., recorded "
+                      f"{recorded[0][:16]}... in {checksum_path(path)}): it was changed or corrupted after it was "
+                      "written. Nothing was changed; restore it from a copy or start a new run with another --out_dir")
+
+
+def _read_checkpoint(path: str, f, device: str) -> dict:
+    try:
+        state = torch.load(f, map_location=device, weights_only=True)
+    except Exception as e:  # a truncated zip, a text file, a pickle of other objects, ...
+        why = ("weights-only loading refused its contents" if isinstance(e, pickle.UnpicklingError)  # long, off-topic
+               else f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+        raise ConfigError(f"checkpoint {path} cannot be read ({why}); it may be truncated, or not a nanoNorm "
+                          "checkpoint. Nothing was changed; restore it or start a new run with another --out_dir"
+                          ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is not a nanoNorm checkpoint (no '{CHECKPOINT_FORMAT}' marker); nothing was changed")
+    return state
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def strict_json(value):
+    """`value` with every non-finite float replaced by None: JSON has no NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line, non-finite numbers as null. A fresh run starts it anew,
+    a resumed run drops the lines past its checkpoint (and a line cut short by a kill)."""
+
+    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None):
+        self.path, self.enabled, self.wandb = os.path.join(out_dir, METRICS_NAME), enabled, wandb_run
+        self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
+        if not enabled or not os.path.exists(self.path):
+            return
+        if resume_iter is None:
+            os.remove(self.path)
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if self._before_resume(line, resume_iter)]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+
+    @staticmethod
+    def _before_resume(line: str, resume_iter: int) -> bool:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False  # cut short by a kill mid-write
+        # the resumed run re-logs the evaluation at resume_iter and everything after it
+        it = record.get("iter", 0)
+        return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
+
+    def write(self, **record) -> None:
+        if not self.enabled:
+            return
+        record = strict_json(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))

@@ -1,0 +1,189 @@
+"""Every bad config value, data file or sampling option ends with exit code 2 and one line saying what was
+wrong and how to fix it, never a traceback; a setting with no effect prints one warning line."""
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_run_args
+
+import optim
+import prepare_data
+import sample
+import train
+import train_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def exit_code_and_error(monkeypatch, capsys, argv: list[str]) -> tuple[int, str]:
+    """Run train.py's main in-process: its exit code and stderr. Any other exception fails the test."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def config_file(tmp_path, text: str) -> str:
+    path = tmp_path / "config.py"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda tmp: [config_file(tmp, "n_layer = = 2\n")], r"config\.py, line 1: invalid syntax\. A config file holds"),
+    (lambda tmp: [config_file(tmp, "n_layer = 2\nn_embd = width\n")],
+     r"config\.py, line 2: NameError: name 'width' is not defined"),
+    (lambda tmp: ["--n_layer=0"], r"n_layer=0 must be at least 1"),
+    (lambda tmp: ["--n_embd=-8"], r"n_embd=-8 must be at least 1"),
+    (lambda tmp: ["--n_head=0"], r"n_head=0 must be at least 1"),  # was a ZeroDivisionError
+    (lambda tmp: ["--block_size=0"], r"block_size=0 must be at least 1"),
+    (lambda tmp: ["--batch_size=0"], r"batch_size=0 must be at least 1"),
+    (lambda tmp: ["--device=cpux"], r"device='cpux' is not valid; choose auto, cpu, cuda, cuda:N or mps"),
+    (lambda tmp: ["--beta1=1.0"], r"beta1=1\.0 must lie in \[0, 1\) \(optimizer 'adamw' uses it\)"),
+    (lambda tmp: ["--optimizer=muon", "--beta2=1.5"], r"beta2=1\.5 must lie in \[0, 1\) \(optimizer 'muon'"),
+    (lambda tmp: ["--optimizer=sgdw", "--momentum=1.0"], r"momentum=1\.0 must lie in \[0, 1\)"),
+    (lambda tmp: ["--learning_rate=1e-3", "--min_lr=1e-2"], r"min_lr=0\.01 is above learning_rate=0\.001"),
+    (lambda tmp: ["--norm_eps=-1e-5"], r"norm_eps=-1e-05 must not be negative"),
+    (lambda tmp: ["--dist_timeout=0"], r"dist_timeout=0\.0 must be a positive number of seconds"),
+    (lambda tmp: ["--out_dir=''"], r"out_dir is empty; give the run a folder with --out_dir=PATH"),
+])
+def test_bad_config_exits_2_with_one_line(monkeypatch, capsys, tmp_path, args, message):
+    code, err = exit_code_and_error(monkeypatch, capsys, args(tmp_path))
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
+def test_a_device_this_machine_lacks_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, err = exit_code_and_error(monkeypatch, capsys, ["--device=cuda"])
+    assert (code, err) == (2, "error: device='cuda', but this machine has no cuda device; use --device=cpu or auto\n")
+
+
+@pytest.mark.parametrize("below_a_file, message", [
+    ("", r"is a file, not a folder; choose another --out_dir"),
+    ("run", r"cannot write to out_dir .*run' \(Not a directory\); choose a writable --out_dir"),
+])
+def test_out_dir_that_cannot_hold_a_run_exits_2(monkeypatch, capsys, data_dir, tmp_path, below_a_file, message):
+    (tmp_path / "file").write_text("not a folder")
+    out = str(tmp_path / "file" / below_a_file)
+    code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, out))
+    assert code == 2 and re.search(message, err), err
+
+
+def test_vocab_size_below_the_data_exits_2(monkeypatch, capsys, data_dir, tmp_path):
+    code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), vocab_size=10))
+    assert code == 2 and "vocab_size=10 is smaller than the dataset's vocabulary of" in err, err
+
+
+# ----------------------------------------------------------------------------- token data
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    """data_dir/tiny: 10 characters, long enough for block_size 32."""
+    tokenizer = prepare_data.get_tokenizer("char", sorted("abcdefgh \n"))
+    prepare_data.write_dataset(tmp_path / "tiny", {"train": ["abcdefgh " * 20], "val": ["hgfedcba " * 8]},
+                               tokenizer, "test")
+    return tmp_path / "tiny"
+
+
+def poke_token(path, value: int) -> None:
+    data = np.fromfile(path, dtype=np.uint16)
+    data[3] = value
+    data.tofile(path)
+
+
+def shrink_vocab(path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    meta["chars"] = meta["chars"][:-1]  # meta.json still says vocab_size 10
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda d: poke_token(d / "val.bin", 999), r"val\.bin holds token id 999, outside meta\.json's vocabulary of 10"),
+    (lambda d: poke_token(d / "train.bin", 10), r"train\.bin holds token id 10, outside meta\.json's vocabulary of 10"),
+    (shrink_vocab, r"meta\.json does not fit its tokenizer: meta\.json says vocab_size 10, but the char "
+                   r"tokenizer has 9"),
+])
+def test_token_data_outside_its_vocabulary_exits_2_with_the_rebuild_command(monkeypatch, capsys, tiny_dataset,
+                                                                             corrupt, message):
+    corrupt(tiny_dataset)
+    argv = tiny_run_args(str(tiny_dataset.parent), str(tiny_dataset.parent / "run"), dataset="tiny", max_iters=2)
+    code, err = exit_code_and_error(monkeypatch, capsys, argv)
+    assert code == 2 and re.search(message, err), err
+    assert "Rebuild it with:\n  python prepare_data.py tiny --input PATH" in err and "--force" in err
+
+
+# ----------------------------------------------------------------------------- settings without effect
+
+
+def test_a_setting_without_effect_prints_one_warning_line(capsys):
+    train.load_config(["--optimizer=adamw", "--matrix_lr=0.1", "--dnt_setting=S3", "--learning_rate=1e-3"])
+    assert capsys.readouterr().err == ("warning: no effect in this run: matrix_lr (only with optimizer muon or "
+                                       "manifold_muon), dnt_setting (only with norm_scheme='dnt')\n")
+    train.load_config(["--optimizer=muon", "--matrix_lr=0.1", "--norm_scheme=dnt", "--dnt_setting=S3"])
+    assert capsys.readouterr().err == ""
+
+
+def test_every_effect_condition_names_a_config_key_and_runs_on_defaults():
+    """A row for a misspelt key would never fire; every condition must evaluate on the default configs."""
+    keys = {*train_config.TRAIN_KEYS, *train_config.MODEL_KEYS}
+    assert set(train_config.TAKES_EFFECT) <= keys
+    defaults = train_config.TrainConfig(), train.GPTConfig()
+    for effective, words in train_config.TAKES_EFFECT.values():
+        assert isinstance(effective(*defaults), bool) and words
+
+
+# ----------------------------------------------------------------------------- optimizer param groups
+
+
+def test_a_rejected_param_group_leaves_the_optimizer_as_it_was():
+    matrix, gain = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.ones(4))
+    muon = optim.Muon([matrix], adamw_params=[])
+    manifold = optim.ManifoldMuon([torch.nn.Parameter(torch.randn(4, 4))], adamw_params=[])
+    for optimizer, group, message in [
+        (muon, {"params": [gain]}, "'matrix' groups take 2-D parameters only"),
+        (muon, {"params": [torch.nn.Parameter(torch.randn(3, 3))], "adjust_lr": "match_rms_adam"},
+         "adjust_lr must be one of"),
+        (muon, {"params": [gain], "kind": "adamw", "betas": (0.9, 1.0)}, r"betas=\(0\.9, 1\.0\) of an 'adamw' group"),
+        (manifold, {"params": [torch.nn.Parameter(torch.randn(3, 3))], "weight_decay": 0.1}, "take no weight decay"),
+    ]:
+        before = len(optimizer.param_groups)
+        with pytest.raises(ValueError, match=message):
+            optimizer.add_param_group(group)
+        assert len(optimizer.param_groups) == before
+
+
+def test_muon_adamw_side_refuses_betas_outside_0_1():
+    with pytest.raises(ValueError, match=r"betas=\(1\.2, 0\.95\) of an 'adamw' group must lie in \[0, 1\)"):
+        optim.Muon([torch.nn.Parameter(torch.randn(4, 4))], adamw_params=[torch.nn.Parameter(torch.ones(4))],
+                   adamw_betas=(1.2, 0.95))
+
+
+# ----------------------------------------------------------------------------- sample.py
+
+
+@pytest.fixture(scope="module")
+def trained_run(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sample") / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=2, eval_interval=2)) == 0
+    return out
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--top_k=0", r"--top_k=0 must be at least 1"),
+    ("--start=", r"the prompt is empty"),
+    ("--start=FILE:no/such/prompt.txt", r"cannot read the prompt file 'no/such/prompt\.txt' \(No such file"),
+    ("--temperature=-1", r"--temperature=-1\.0 must be a number >= 0"),
+    ("--temperature=nan", r"--temperature=nan must be a number >= 0"),
+    ("--max_new_tokens=-1", r"--max_new_tokens=-1 must not be negative"),
+    ("--num_samples=0", r"--num_samples=0 must be at least 1"),
+])
+def test_bad_sampling_options_exit_2_with_one_line(capsys, trained_run, option, message):
+    assert sample.main([f"--out_dir={trained_run}", "--max_new_tokens=2", "--device=cpu", option]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and re.search(message, out.err), out.err

@@ -1,0 +1,211 @@
+"""An out_dir holds one run: a lock keeps a second run out, --overwrite removes the first run's files before
+the new one starts, every checkpoint is verified against its SHA-256, eval_only leaves the history alone,
+and metrics.jsonl is strict JSON with no checkpoint ever written from a state that cannot be evaluated."""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import tiny_run_args
+
+import run_files
+import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def main(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, str]:
+    """train.py's main in-process: exit code, stdout and stderr."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def strict_records(path) -> list[dict]:
+    """metrics.jsonl read as strict JSON: a bare NaN or Infinity fails."""
+    def refuse(name: str):
+        raise AssertionError(f"non-standard JSON constant {name} in {path}")
+
+    with open(path) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+@pytest.fixture(scope="module")
+def trained_once(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    assert train.train(tiny_run_args(data_dir, str(out), max_iters=4, keep_every=4)) == 0
+    return out
+
+
+@pytest.fixture
+def finished_run(trained_once, tmp_path):
+    """A copy of a finished 4-iteration run (ckpt.pt and ckpt_4.pt), for a test to change."""
+    return shutil.copytree(trained_once, tmp_path / "run")
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def test_a_second_run_into_a_busy_out_dir_exits_2_naming_the_holder(monkeypatch, capsys, data_dir, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / ".lock", "w") as held:  # what a running train.py holds
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(out), max_iters=2))
+    assert code == 2, err
+    assert err == (f"error: out_dir '{out}' is in use by another run (process 4242 holds {out}/.lock); wait for it "
+                   "to end, stop it, or choose another --out_dir\n")
+    assert sorted(os.listdir(out)) == [".lock"]  # nothing written
+
+
+# ----------------------------------------------------------------------------- overwrite
+
+
+def test_overwrite_removes_the_earlier_run_before_the_new_one_starts(data_dir, finished_run, monkeypatch):
+    """A new run that dies before its first save leaves no checkpoint of the earlier run to resume."""
+    out = str(finished_run)
+    forward_backward = train.forward_backward
+
+    def crash_at_iter_2(model, task, ddp, accum, it, *args):
+        if it == 2:
+            raise RuntimeError("killed")
+        return forward_backward(model, task, ddp, accum, it, *args)
+
+    monkeypatch.setattr(train, "forward_backward", crash_at_iter_2)
+    with pytest.raises(RuntimeError, match="killed"):
+        train.train(tiny_run_args(data_dir, out, max_iters=8, eval_interval=8, overwrite=True, learning_rate=2e-3,
+                                  decay_lr=False))
+    assert sorted(os.listdir(out)) == [".lock", "metrics.jsonl"]
+    assert {r["lr"] for r in strict_records(os.path.join(out, "metrics.jsonl")) if r["kind"] == "train"} == {2e-3}
+    with pytest.raises(train.ConfigError, match="there is no checkpoint at"):
+        train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume"))
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def test_checksum_file_is_sha256sum_format(finished_run):
+    digest = hashlib.sha256((finished_run / "ckpt.pt").read_bytes()).hexdigest()
+    assert (finished_run / "ckpt.pt.sha256").read_text() == f"{digest}  ckpt.pt\n"
+
+
+def test_flipped_bytes_in_a_checkpoint_exit_2_naming_the_file(monkeypatch, capsys, data_dir, finished_run):
+    """64 bytes in the middle of the file (tensor data: torch.load itself would not notice)."""
+    path = finished_run / "ckpt.pt"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+    before = snapshot(finished_run)
+    code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(finished_run), max_iters=8,
+                                                           init_from="resume"))
+    assert code == 2 and f"checkpoint {path} does not match its checksum" in err and "Nothing was changed" in err
+    assert snapshot(finished_run) == before
+
+
+def test_a_checkpoint_without_checksum_is_refused_with_the_command_that_records_one(data_dir, finished_run):
+    os.remove(finished_run / "ckpt.pt.sha256")
+    with pytest.raises(train.ConfigError, match=f"has no checksum file .*cd {finished_run} && sha256sum ckpt.pt > "
+                                                "ckpt.pt.sha256"):
+        train.train(tiny_run_args(data_dir, str(finished_run), max_iters=8, init_from="resume"))
+
+
+@pytest.mark.parametrize("kill_at", ["rename", "final checksum"])
+def test_a_kill_between_checkpoint_and_checksum_leaves_a_verifiable_pair(tmp_path, monkeypatch, kill_at):
+    """The new digest is listed before the rename and the old one dropped after it: a kill at either step
+    leaves ckpt.pt (old or new) with a matching checksum."""
+    path = str(tmp_path / "ckpt.pt")
+    old, new = ({"format": run_files.CHECKPOINT_FORMAT, "iter_num": i} for i in (4, 8))
+    run_files.save_checkpoint(path, old)
+    replace, write_checksums = os.replace, run_files._write_checksums
+    calls = []
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands in for SIGKILL: nothing after this point runs
+
+    def replace_unless_checkpoint(src, dst):
+        return killed() if dst == path else replace(src, dst)
+
+    def second_checksum_write_killed(*args):
+        calls.append(args)
+        return killed() if len(calls) == 2 else write_checksums(*args)
+
+    if kill_at == "rename":
+        monkeypatch.setattr(os, "replace", replace_unless_checkpoint)
+    else:
+        monkeypatch.setattr(run_files, "_write_checksums", second_checksum_write_killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_files.save_checkpoint(path, new)
+    monkeypatch.undo()
+    expected = 4 if kill_at == "rename" else 8
+    assert run_files.load_checkpoint(path, "cpu")["iter_num"] == expected
+    assert len(run_files.recorded_checksums(path)) == 2  # both digests, until the next save
+    run_files.save_checkpoint(path, old)
+    assert len(run_files.recorded_checksums(path)) == 1
+
+
+# ----------------------------------------------------------------------------- eval_only
+
+
+def test_eval_only_evaluates_the_checkpoint_and_leaves_the_history_alone(monkeypatch, capsys, data_dir, finished_run):
+    before = snapshot(finished_run)
+    code, out, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(finished_run), eval_only=True))
+    assert code == 0, err
+    last_eval = [r for r in strict_records(finished_run / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    # the same weights and eval windows as the run's final evaluation: the same losses
+    assert f"iter 4: train_loss {last_eval['train_loss']:.4f}, val_loss {last_eval['val_loss']:.4f}" in out
+    assert snapshot(finished_run) == before
+
+
+def test_eval_only_without_a_checkpoint_exits_2(monkeypatch, capsys, data_dir, tmp_path):
+    code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), eval_only=True))
+    assert code == 2 and "eval_only evaluates out_dir's checkpoint, but there is no checkpoint at" in err
+
+
+# ----------------------------------------------------------------------------- skip_nonfinite
+
+
+@pytest.fixture(scope="module")
+def norm_free_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("norm_free") / "run"
+    assert train.train(tiny_run_args(data_dir, str(out), norm_scheme="none", max_iters=8, eval_interval=4)) == 0
+    return out
+
+
+@pytest.mark.parametrize("max_iters, reason", [(16, "non-finite eval loss at the end of the run"),
+                                               (20, "all 4 steps since the last evaluation skipped")])
+def test_a_run_that_can_only_skip_ends_diverged_and_keeps_its_checkpoint(data_dir, norm_free_run, tmp_path,
+                                                                        max_iters, reason):
+    """A learning rate of 1e20 on a norm-free model: the step of iter 8 leaves finite weights whose every loss
+    is NaN, so every later batch is skipped. The eval at 12 follows one real step and saves nothing; the run
+    ends as diverged at the last eval (16), or at 16 because 12-15 were all skipped, and keeps ckpt.pt."""
+    out = tmp_path / "run"
+    shutil.copytree(norm_free_run, out)
+    before = (out / "ckpt.pt").read_bytes()
+    code = train.train(tiny_run_args(data_dir, str(out), norm_scheme="none", max_iters=max_iters, eval_interval=4,
+                                     init_from="resume", learning_rate=1e20, decay_lr=False, skip_nonfinite=100,
+                                     grad_clip=0))
+    assert code == train.EXIT_DIVERGED
+    assert (out / "ckpt.pt").read_bytes() == before
+    records = strict_records(out / "metrics.jsonl")
+    assert records[-1]["kind"] == "status" and records[-1]["iter"] == 16 and reason in records[-1]["reason"]
+    assert [r["val_loss"] for r in records if r["kind"] == "eval"][-1] is None  # NaN written as null
+    assert torch.isfinite(run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")["model"]["wte.weight"]).all()
+
+
+def test_strict_json_writes_null_for_non_finite_numbers():
+    record = {"loss": float("nan"), "rms": [1.0, float("inf")], "grad": {"w": -float("inf")}, "iter": 3}
+    assert run_files.strict_json(record) == {"loss": None, "rms": [1.0, None], "grad": {"w": None}, "iter": 3}

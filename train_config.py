@@ -1,0 +1,292 @@
+"""
+The training configuration: `TrainConfig`'s keys and defaults, a config file of plain assignments with
+`--key=value` overrides, and the checks that stop a bad value before anything runs (`ConfigError`, exit 2).
+Every key is a field of `TrainConfig` or of `model.GPTConfig`; anything else stops with a message.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import sys
+import traceback
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from model import GPTConfig
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250
+    log_interval: int = 10
+    eval_iters: int = 20
+    eval_only: bool = False
+    always_save_checkpoint: bool = True
+    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    overwrite: bool = False  # let a scratch run replace an existing out_dir/ckpt.pt
+    keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: only the last)
+    sample_tokens: int = 0  # print a sample of this many tokens from the final model
+    # logging
+    wandb_log: bool = False
+    wandb_project: str = "nanonorm"
+    wandb_run_name: str = "run"
+    # diagnostics written to the eval lines of metrics.jsonl (each costs one extra pass per eval)
+    log_grad_stats: bool = False  # per-parameter gradient norms and the tail of |g| (DNT Fig. 1)
+    log_geonorm_angles: bool = False  # GeoNorm's applied angle theta' per residual update
+    # data
+    task: str = "lm"  # "lm" (next-token prediction) or "icl" (Bir et al.'s least-squares task)
+    dataset: str = "shakespeare_char"
+    compact_vocab: bool = False  # output only the token ids the dataset uses (small corpora: a cheaper head)
+    data_dir: str = "data"
+    gradient_accumulation_steps: int = 1  # global count, divided among the ranks
+    batch_size: int = 12  # per micro-batch
+    # optimizer and schedule
+    optimizer: str = "adamw"  # see optim.OPTIMIZERS
+    learning_rate: float = 6e-4
+    max_iters: int = 5000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    momentum: float = 0.9  # sgdw's momentum
+    nesterov: bool = False  # sgdw
+    matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
+    matrix_momentum: float = 0.95
+    dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
+    dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
+    dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
+    msign_steps: int = 10  # manifold_muon: iterations of msign (the retraction's accuracy)
+    ns_steps: int = 5  # muon: Newton-Schulz steps
+    adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
+    grad_clip: float = 1.0  # 0 disables
+    skip_nonfinite: int = 0  # drop the update of up to this many non-finite batches (loss or gradient); 0: stop
+    decay_lr: bool = True
+    lr_schedule: str = "cosine"  # after warmup: "cosine" to min_lr (nanoGPT), or "wsd": flat, then linear
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000  # the schedule reaches min_lr here
+    cooldown_iters: int = 0  # wsd: the linear decay to min_lr takes the last cooldown_iters before lr_decay_iters
+    min_lr: float = 6e-5
+    # system
+    backend: str = "auto"  # "nccl", "gloo", or "auto" (nccl on CUDA, gloo otherwise)
+    device: str = "auto"  # "auto" picks cuda, then mps, then cpu
+    dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: bf16 (or fp16) on CUDA, fp32 else
+    compile: bool = False
+    seed: int = 1337
+    dist_timeout: float = 1800.0  # seconds a rank waits for the others (torchrun) before it stops with a message
+    # the least-squares task (task="icl"); see icl_task.get_batch
+    icl_pairs: int = 64
+    icl_dim: int = 5
+    icl_noise_std: float = 0.01
+    icl_order: str = "random"
+    icl_bias_feature: bool = True
+    icl_eval_batches: int = 8  # size of the fixed eval set, in batches of batch_size
+
+
+TRAIN_KEYS = {f.name: f for f in fields(TrainConfig)}
+MODEL_KEYS = {f.name: f for f in fields(GPTConfig)}
+
+
+class ConfigError(ValueError):
+    """A config key or value the user has to fix; train.py exits with code 2."""
+
+
+ADAMW_SIDE = ("adamw", "muon", "manifold_muon")  # optimizers that update some parameters with AdamW's betas
+MATRIX_OPTIMIZERS = ("muon", "manifold_muon")
+
+# When a key has an effect, given the run's TrainConfig t and GPTConfig m, and that condition in words. A key
+# set to a value other than its default where it has none prints one warning line; a new key is one row.
+TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = {
+    "beta1": (lambda t, m: t.optimizer in ADAMW_SIDE, "optimizer adamw, muon or manifold_muon"),
+    "beta2": (lambda t, m: t.optimizer in ADAMW_SIDE, "optimizer adamw, muon or manifold_muon"),
+    "momentum": (lambda t, m: t.optimizer == "sgdw", "optimizer sgdw"),
+    "nesterov": (lambda t, m: t.optimizer == "sgdw", "optimizer sgdw"),
+    "matrix_lr": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "matrix_momentum": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "ns_steps": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
+    "adjust_lr": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
+    "dual_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "dual_lr": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "dual_reset": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "msign_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
+    "warmup_iters": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "lr_schedule": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "lr_decay_iters": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "min_lr": (lambda t, m: t.decay_lr, "decay_lr=True"),
+    "cooldown_iters": (lambda t, m: t.decay_lr and t.lr_schedule == "wsd", "lr_schedule='wsd'"),
+    "wandb_project": (lambda t, m: t.wandb_log, "wandb_log=True"),
+    "wandb_run_name": (lambda t, m: t.wandb_log, "wandb_log=True"),
+    "compact_vocab": (lambda t, m: t.task == "lm", "task='lm'"),
+    "sample_tokens": (lambda t, m: t.task == "lm", "task='lm'"),
+    **{key: (lambda t, m: t.task == "icl", "task='icl'")
+       for key in ("icl_pairs", "icl_dim", "icl_noise_std", "icl_order", "icl_bias_feature", "icl_eval_batches")},
+    "dnt_setting": (lambda t, m: m.norm_scheme == "dnt", "norm_scheme='dnt'"),
+    "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
+    "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
+    "rope_base": (lambda t, m: m.pos == "rope", "pos='rope'"),
+    "embed_fan_in": (lambda t, m: t.task == "icl" or m.in_features is not None, "vector inputs (task='icl')"),
+}
+
+
+def ineffective_settings(settings: dict, train: TrainConfig, model: GPTConfig) -> list[str]:
+    """The settings that change nothing in this run (a value other than the default, where the key has no
+    effect), each with where it would have one. A base config's defaults, star-imported, are not named."""
+    found = []
+    for key, value in settings.items():
+        effective, words = TAKES_EFFECT.get(key, (lambda t, m: True, ""))
+        default = (TRAIN_KEYS if key in TRAIN_KEYS else MODEL_KEYS)[key].default
+        if value != default and not effective(train, model):
+            found.append(f"{key} (only with {words})")
+    return found
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def _expected_types(name: str) -> tuple[type, ...]:
+    owner = TrainConfig if name in TRAIN_KEYS else GPTConfig
+    hint = typing.get_type_hints(owner)[name]
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    allowed = tuple(type(None) if a is type(None) else a for a in args)
+    return allowed + ((int,) if float in allowed else ())
+
+
+def check_value(name: str, value: object) -> object:
+    """Check a value against the key's type; ints are accepted for floats."""
+    if name not in TRAIN_KEYS and name not in MODEL_KEYS:
+        close = difflib.get_close_matches(name, [*TRAIN_KEYS, *MODEL_KEYS], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown config key '{name}'{hint}")
+    allowed = _expected_types(name)
+    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed[:2])
+        raise ConfigError(f"config key '{name}' expects {names}, got {value!r} ({type(value).__name__})")
+    return float(value) if float in allowed and isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def read_config_file(path: str) -> dict:
+    """Execute a config file of plain assignments and return its public names."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found (see configs/ for examples)")
+    namespace: dict = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = compile(f.read(), path, "exec")
+        exec(code, namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}. A config file holds Python assignments "
+                          "such as n_layer = 6") from None
+    except Exception as e:  # an undefined name, a failed import, a division by zero, a non-UTF-8 file, ...
+        line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                     if frame.filename == path), None)
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
+
+
+def parse_overrides(args: list[str]) -> dict:
+    overrides = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"cannot parse argument {arg!r}: use --key=value")
+        key, text = arg[2:].split("=", 1)
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare word is a string: --norm_scheme=geonorm
+        overrides[key] = value
+    return overrides
+
+
+def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
+    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
+    settings: dict = {}
+    if argv and not argv[0].startswith("--"):
+        settings.update(read_config_file(argv[0]))
+        argv = argv[1:]
+    settings.update(parse_overrides(argv))
+    settings = {k: check_value(k, v) for k, v in settings.items()}
+    train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
+    model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
+    check_train_config(train)
+    model = check_model_args(train, model_args)
+    ineffective = ineffective_settings(settings, train, model)
+    if ineffective and os.environ.get("RANK", "0") == "0":
+        print(f"warning: no effect in this run: {', '.join(ineffective)}", file=sys.stderr)
+    return train, model_args
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    import optim
+
+    choices = {"init_from": ("scratch", "resume"), "task": ("lm", "icl"),
+               "optimizer": optim.OPTIMIZERS, "dtype": ("auto", "float32", "bfloat16", "float16"),
+               "backend": ("auto", "nccl", "gloo"), "icl_order": ("random", "xy", "yx"),
+               "adjust_lr": ("original", "match_rms_adamw"), "lr_schedule": ("cosine", "wsd")}
+    for key, valid in choices.items():
+        if getattr(cfg, key) not in valid:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
+    for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                "icl_pairs", "icl_dim", "icl_eval_batches"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
+                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
+    if not cfg.learning_rate > 0:  # the schedule divides by it
+        raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
+    if cfg.min_lr > cfg.learning_rate:
+        raise ConfigError(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}; the schedule decays "
+                          "from learning_rate down to min_lr, so lower --min_lr")
+    fractions = {"momentum": cfg.optimizer == "sgdw", "matrix_momentum": cfg.optimizer in MATRIX_OPTIMIZERS,
+                 "beta1": cfg.optimizer in ADAMW_SIDE, "beta2": cfg.optimizer in ADAMW_SIDE}
+    for key, used in fractions.items():
+        if used and not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must lie in [0, 1) (optimizer {cfg.optimizer!r} uses it)")
+    if not cfg.dist_timeout > 0:
+        raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
+    check_device(cfg.device)
+
+
+def check_device(device: str) -> None:
+    """A device string torch understands, of a kind this machine has."""
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={device!r} is not valid; choose auto, cpu, cuda, cuda:N or mps")
+    mps = getattr(torch.backends, "mps", None)
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not (mps and mps.is_available()):
+        raise ConfigError(f"device={device!r}, but this machine has no {kind} device; use --device=cpu or auto")
+
+
+def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
+    """Model values, checked before any data is read or process started."""
+    try:
+        config = GPTConfig(**model_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= config.dropout < 1:
+        raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
+    block_size = model_args.get("block_size")
+    if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
+        raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "
+                          f"(2 * icl_pairs = {2 * cfg.icl_pairs} tokens); raise --block_size or lower --icl_pairs")
+    return config
+
+
+def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:
+    if cfg.gradient_accumulation_steps % world_size:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
+                          f"the number of processes ({world_size}); it is the global count, split among them")
+    return cfg.gradient_accumulation_steps // world_size
