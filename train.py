@@ -27,12 +27,12 @@ with {"kind": "status", "status": "diverged", "iter": N, ...} and the last check
 finite state only, is kept. Every rank reaches that verdict from all-reduced values, so all stop
 together (torchrun itself then exits 1 and names exit code 3 as the root cause). The step loop has no
 extra host sync: the first non-finite iteration is kept on the device and read at log and eval iterations.
-With skip_nonfinite=N a batch whose loss or gradient is not finite is skipped instead (no update,
-as in Bir et al.'s training loop, which checks the loss; a finite loss can still back-propagate an
-overflow, so the gradient norm is checked too; one host sync per step), up to N times before the
-run counts as diverged; non-finite parameters still stop it at once, and so does a non-finite eval
-loss at the end of the run or after an interval in which every step was skipped. No checkpoint is
-written from a state whose eval loss is not finite.
+With skip_nonfinite=N (this project's option; neither Bir et al.'s paper nor the latest version of their
+released code skips) a batch whose loss or gradient is not finite is skipped instead (no update; a
+finite loss can still back-propagate an overflow, so the gradient norm is checked too; one host sync per
+step), up to N times before the run counts as diverged; non-finite parameters still stop it at once, and
+so does a non-finite eval loss at the end of the run or after an interval in which every step was skipped.
+No checkpoint is written from a state whose eval loss is not finite.
 Exit code 4: stopped by SIGTERM or SIGINT, the last completed iteration saved and {"kind": "status",
 "status": "stopped", ...} logged; one process checks after every iteration, several agree at the next
 log line (in the all-reduce they do there anyway). A second SIGINT stops at once: exit code 130.
@@ -703,7 +703,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), ddp,
                                                 dist.ReduceOp.MIN).item():
-            optimizer.zero_grad(set_to_none=True)  # drop this batch's update (Bir et al.'s loop); a sync per step
+            optimizer.zero_grad(set_to_none=True)  # drop this batch's update; a sync per step
             if scaler.is_enabled():
                 scaler.update()  # closes the unscale_ above (and lowers the fp16 loss scale)
             skipped += 1

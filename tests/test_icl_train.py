@@ -98,7 +98,7 @@ def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
 
 
 def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path, monkeypatch):
-    """skip_nonfinite=N drops the update of a batch whose loss is not finite (Bir et al.'s training loop),
+    """skip_nonfinite=N drops the update of a batch whose loss is not finite (this project's option),
     up to N times. The plain residual overflows on every batch, so every step is dropped; its final
     evaluation is not finite, so the run ends as diverged without writing a checkpoint of that state."""
     out = str(tmp_path / "skip")
