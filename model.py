@@ -7,14 +7,15 @@ update that ties them together, the block, and the GPT.
 
 Every block performs the same four steps for its attention and its MLP:
 
-    y = branch_scale * f(pre_norm(x))      # sub-layer on an optionally normalized input
+    y = branch_scale * f(pre_norm(x))      # sub-layer on an optionally normalized (and scaled, LNS) input
     y = mid_norm(y)                         # optional norm of the sub-layer output
-    x = combine(x, y)                       # residual rule: add, scaled add, geodesic step
+    x = combine(x, y)                       # residual rule: add, scaled add, geodesic step, ReZero gate
     x = post_norm(x)                        # optional norm after the residual (Post/DeepNorm)
 
 A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new combine rule.
 Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
-and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN.
+and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN; since 2020,
+DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun.
 """
 
 from __future__ import annotations
