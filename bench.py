@@ -6,6 +6,7 @@ interleaved round by round so a slow patch hits all of them alike).
     python bench.py                                  # CPU bench shape, all schemes and optimizers
     python bench.py --shape 124m --compile           # GPT-2 small on a GPU, bf16
     python bench.py --schemes pre,geonorm --optimizers none
+    python bench.py --schemes dyt,derf,rezero --optimizers none   # DyT/Derf: in place of Pre-Norm's norms
     python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
 
 MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 import optim
-from model import GPT, SCHEMES, GPTConfig
+from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
 from train import device_peak_flops
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
@@ -36,6 +37,14 @@ SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
     "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test
 }
+
+
+SCHEME_CASES = (*SCHEMES, *ELEMENTWISE_NORMS)  # every row of SCHEMES, and DyT and Derf in place of Pre-Norm's norms
+
+
+def scheme_case(name: str) -> dict:
+    """The config keys of a scheme case: a row of SCHEMES, or an elementwise norm type in Pre-Norm."""
+    return {"norm": name} if name in ELEMENTWISE_NORMS else {"norm_scheme": name}
 
 
 def model_config(shape: str, **changes) -> GPTConfig:
@@ -148,7 +157,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
     seconds, ratio (to "pre" or "adamw", timed in the same rounds), tokens_per_s, mfu, peak_gib and
     state_bytes. schemes / optimizers None means all; [] skips that table."""
-    schemes = list(SCHEMES) if schemes is None else schemes
+    schemes = list(SCHEME_CASES) if schemes is None else schemes
     optimizers = list(optim.OPTIMIZERS) if optimizers is None else optimizers
     dtype = resolve_dtype(dtype, device)
     torch_dtype = getattr(torch, dtype)
@@ -180,7 +189,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
 
     tables: dict[str, list[dict]] = {}
     if schemes or nanogpt:
-        variants = {s: (model_config(shape, norm_scheme=s), "adamw") for s in dict.fromkeys(["pre", *schemes])}
+        variants = {s: (model_config(shape, **scheme_case(s)), "adamw") for s in dict.fromkeys(["pre", *schemes])}
         cases, flops, states = build_all(variants)
         if nanogpt:
             cases["nanoGPT (pre)"] = nanogpt_case(nanogpt, shape, device, compile_model, batch, autocast)
@@ -202,7 +211,8 @@ def name_list(text: str) -> list[str] | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="cpu")
-    p.add_argument("--schemes", default="all", help="comma-separated norm_scheme names, 'all' or 'none'")
+    p.add_argument("--schemes", default="all",
+                   help="comma-separated norm_scheme names or dyt/derf (in Pre-Norm), 'all' or 'none'")
     p.add_argument("--optimizers", default="all", help="comma-separated optimizer names, 'all' or 'none'")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -212,6 +222,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nanogpt", help="path to karpathy/nanoGPT's model.py, timed beside Pre-Norm")
     args = p.parse_args()
+    unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
+    if unknown:
+        p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
     run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
               args.steps, args.warmup, args.nanogpt)
 

@@ -7,14 +7,15 @@ update that ties them together, the block, and the GPT.
 
 Every block performs the same four steps for its attention and its MLP:
 
-    y = branch_scale * f(pre_norm(x))      # sub-layer on an optionally normalized input
+    y = branch_scale * f(pre_norm(x))      # sub-layer on an optionally normalized (and scaled, LNS) input
     y = mid_norm(y)                         # optional norm of the sub-layer output
-    x = combine(x, y)                       # residual rule: add, scaled add, geodesic step
+    x = combine(x, y)                       # residual rule: add, scaled add, geodesic step, ReZero gate
     x = post_norm(x)                        # optional norm after the residual (Post/DeepNorm)
 
 A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new combine rule.
 Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
-and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN.
+and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN; since 2020,
+DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun.
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ class Scheme(NamedTuple):
     final_norm: bool  # normalize before the output head
     attn_scale: str  # attention logit scale: "1/sqrt(d)" (standard) or "1/d" (Lipschitz)
     branch_scale: float  # multiplies each sub-layer output (1/3 in the Lipschitz block)
-    init: str  # "gpt2", "xavier", "deepnorm", "orthogonal" (see `GPT._init_block_linear`)
+    init: str  # "gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out" (see `GPT._init_block_linear`)
+    # columns of the schemes since 2020; their defaults leave the rows that do not name them unchanged
+    v_norm: bool = False  # RMS-normalize the values like the queries and keys (HybridNorm's QKV-Norm)
+    qk_norm_span: str = "head"  # q/k/v norm over each head ("head", DNT eq. 10) or the whole projection ("all", OLMo 2)
+    pre_norm_scale: str = "1"  # multiplies each pre-norm output: "1", or "1/sqrt(l)" in block l = 1..L (LNS)
+    post_norm_at: str = "attn+mlp"  # the updates post_norm follows: "attn+mlp", or "attn" (HybridNorm)
+    first_blocks: str = "same"  # "post": first blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm (HybridNorm*)
+    norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
 
 
 # fmt: off
@@ -55,10 +63,28 @@ SCHEMES: dict[str, Scheme] = {
     "dnt":       Scheme(True,  "attn",     True,  True,  "add",      False, True,  "1/sqrt(d)", 1.0, "xavier"),
     "lipschitz": Scheme(False, "none",     False, False, "convex",   False, False, "1/d",       1/3, "orthogonal"),
     "none":      Scheme(False, "none",     False, False, "add",      False, False, "1/sqrt(d)", 1.0, "orthogonal"),
+    "peri":      Scheme(True,  "attn+mlp", False, True,  "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2"),
+    "olmo2":     Scheme(False, "none",     True,  True,  "add",      False, True,  "1/sqrt(d)", 1.0, "normal",
+                        qk_norm_span="all"),
+    "mixln":     Scheme(False, "attn+mlp", False, False, "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2",
+                        first_blocks="post"),
+    "lns":       Scheme(False, "attn+mlp", False, False, "add",      False, True,  "1/sqrt(d)", 1.0, "normal",
+                        pre_norm_scale="1/sqrt(l)"),
+    "hybrid":    Scheme(False, "none",     True,  False, "add",      True,  True,  "1/sqrt(d)", 1.0, "gpt2",
+                        v_norm=True, post_norm_at="attn"),
+    "rezero":    Scheme(False, "none",     False, False, "rezero",   False, False, "1/sqrt(d)", 1.0, "gpt2"),
+    "speedrun":  Scheme(True,  "attn+mlp", True,  False, "add",      False, True,  "1/sqrt(d)", 1.0, "zero_out",
+                        norm_affine=False),
 }
 
 # `none` is Bir et al. §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
 # its scalings or convex residual (with N(0, 0.02) init it would be a different, tamer model).
+# Since 2020 (sources in the README): `peri` is Peri-LN, x + N(f(N(x))) with the embedding and the output
+# normalized. `olmo2` normalizes each sub-layer's output, not its input, and q, k over the whole projection;
+# OLMo 2 starts every weight from N(0, 0.02). `hybrid` is HybridNorm: QKV-norm, no norm on the block input,
+# and Y = X + MHA(X), X' = N(Y) + FFN(N(Y)), i.e. a post-norm after the attention update only.
+# `speedrun` is the modded-nanogpt record of 2024-11-03 minus its untied, zero-initialized head: every
+# scheme here ties the head to the embedding. `norm="dyt"`/`"derf"` replace every norm above except q/k/v's.
 # DNT App. D ablation settings; `dnt` above is S5, the paper's default.
 DNT_SETTINGS: dict[str, Scheme] = {
     "S1": Scheme(False, "attn+mlp", False, False, "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
@@ -69,11 +95,16 @@ DNT_SETTINGS: dict[str, Scheme] = {
 }
 # fmt: on
 
-NORM_TYPES = ("layernorm", "rmsnorm", "headwise")
-COMBINE_RULES = ("add", "pre_alt", "deepnorm", "convex", "geodesic")
+NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
+ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
+COMBINE_RULES = ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero")
 PRE_NORM_PLACES = ("attn+mlp", "attn", "mlp", "none")
 ATTN_SCALES = ("1/sqrt(d)", "1/d")
-INITS = ("gpt2", "xavier", "deepnorm", "orthogonal")
+INITS = ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out")
+QK_NORM_SPANS = ("head", "all")
+PRE_NORM_SCALES = ("1", "1/sqrt(l)")
+POST_NORM_PLACES = ("attn+mlp", "attn")
+FIRST_BLOCKS = ("same", "post", "pre")
 GEONORM_DECAYS = ("harmonic", "sqrt", "linear", "none")
 
 
@@ -102,6 +133,22 @@ class GPTConfig:
     attn_scale: str | None = None
     branch_scale: float | None = None
     init: str | None = None
+    v_norm: bool | None = None
+    qk_norm_span: str | None = None
+    pre_norm_scale: str | None = None
+    post_norm_at: str | None = None
+    first_blocks: str | None = None  # "pre" on norm_scheme="hybrid" is HybridNorm*
+    norm_affine: bool | None = None
+    mixln_fraction: float = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm
+    # DyT and Derf: alpha's initial value in every norm, in the attention update's norms, in the final norm
+    # (None: norm_alpha_init); DyT's LLaMA recipe uses 0.2 / 0.8 / 0.2 at 7B
+    norm_alpha_init: float = 0.5
+    norm_alpha_init_attn: float | None = None
+    norm_alpha_init_final: float | None = None
+    # a learnable scalar, init sqrt(d), multiplies the embedding; None: exactly with norm="dyt"/"derf", as DyT's
+    # LLaMA recipe and Derf's GPT-2 code do (without it a pre-norm DyT stream starts at the 0.02 init scale)
+    embed_scale: bool | None = None
+    rezero_gate: str = "update"  # ReZero's alpha: one per residual "update", or one per "block" (see ReZeroAdd)
     # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
@@ -149,8 +196,11 @@ def check_config(c: GPTConfig) -> None:
     _check_choice("geonorm_decay", c.geonorm_decay, GEONORM_DECAYS)
     _check_choice("mlp", c.mlp, ("gelu", "swiglu"))
     _check_choice("pos", c.pos, ("learned", "rope"))
+    _check_choice("rezero_gate", c.rezero_gate, ("update", "block"))
     for key, choices in [("pre_norm", PRE_NORM_PLACES), ("combine", COMBINE_RULES),
-                         ("attn_scale", ATTN_SCALES), ("init", INITS)]:
+                         ("attn_scale", ATTN_SCALES), ("init", INITS), ("qk_norm_span", QK_NORM_SPANS),
+                         ("pre_norm_scale", PRE_NORM_SCALES), ("post_norm_at", POST_NORM_PLACES),
+                         ("first_blocks", FIRST_BLOCKS)]:
         if getattr(c, key) is not None:
             _check_choice(key, getattr(c, key), choices)
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -168,6 +218,8 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError(f"geonorm_clamp={c.geonorm_clamp} must lie in (0, pi]")
     if c.mlp_hidden is not None and c.mlp_hidden < 1:
         raise ValueError(f"mlp_hidden={c.mlp_hidden} must be a positive width (or None for the default)")
+    if not 0 <= c.mixln_fraction <= 1:
+        raise ValueError(f"mixln_fraction={c.mixln_fraction} must lie in [0, 1] (a fraction of the blocks)")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
 
@@ -195,16 +247,70 @@ class HeadwiseRMSNorm(nn.Module):
         return normed * self.weight
 
 
-def make_norm(config: GPTConfig) -> nn.Module:
+class DynamicTanh(nn.Module):
+    """DyT (Zhu et al., 2025): gamma * tanh(alpha * x) + beta in place of a norm; alpha is one learnable scalar.
+
+    Elementwise: no statistics over the channels. The bias beta exists when `config.bias` is set, as
+    for LayerNorm here (the DyT LLaMA code has none).
+    """
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(alpha_init))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return self.squash(x) * self.weight
+        return torch.addcmul(self.bias, self.squash(x), self.weight)
+
+
+class DynamicErf(DynamicTanh):
+    """Derf (Chen et al., 2025): gamma * erf(alpha * x + s) + beta, with a learnable scalar shift s (init 0)."""
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__(dim, alpha_init, bias)
+        self.shift = nn.Parameter(torch.tensor(0.0))
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.erf(self.alpha * x + self.shift)
+
+
+def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
+    """The norm named by `config.norm`; alpha_init sets DyT/Derf's alpha here (None: `norm_alpha_init`)."""
     if config.norm == "layernorm":
         return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    if config.norm in ELEMENTWISE_NORMS:
+        alpha = config.norm_alpha_init if alpha_init is None else alpha_init
+        return {"dyt": DynamicTanh, "derf": DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
     return HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
 
 
-def maybe_norm(config: GPTConfig, wanted: bool) -> nn.Module:
-    return make_norm(config) if wanted else nn.Identity()
+def without_parameters(norm: nn.Module) -> nn.Module:
+    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
+    for name, p in list(norm.named_parameters(recurse=False)):
+        delattr(norm, name)
+        norm.register_buffer(name, p.detach(), persistent=False)
+    return norm
+
+
+def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None) -> nn.Module:
+    if not wanted:
+        return nn.Identity()
+    norm = make_norm(config, alpha_init)
+    return norm if config.scheme.norm_affine else without_parameters(norm)
+
+
+def norm_alpha_init(config: GPTConfig, place: str) -> float:
+    """DyT/Derf's initial alpha at a place: "attn", "mlp" or "final" (per-place values of DyT's LLM recipe)."""
+    chosen = {"attn": config.norm_alpha_init_attn, "final": config.norm_alpha_init_final}.get(place)
+    return config.norm_alpha_init if chosen is None else chosen
 
 
 # ----------------------------------------------------------------------------- combine rules
@@ -240,6 +346,31 @@ class ScaledAdd(nn.Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
+
+
+class ScalarGain(nn.Module):
+    """x -> g * x, g one learnable scalar: ReZero's residual gate (init 0), DyT's embedding scale (init sqrt(d))."""
+
+    def __init__(self, init: float):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * x
+
+
+class ReZeroAdd(nn.Module):
+    """ReZero (Bachlechner et al., eq. 1): x <- x + alpha * y, alpha learnable and 0 at init, so every update
+    starts as the identity. The paper's "one parameter per layer" reads two ways: `rezero_gate="update"` (the
+    default) gives each residual update its own alpha; "block" shares one between a block's attention and
+    MLP updates, as the released rztx.py does."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = ScalarGain(0.0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha(y)
 
 
 def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
@@ -301,6 +432,8 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     if rule == "geodesic":
         decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
         return GeodesicStep(decay, config.geonorm_clamp)
+    if rule == "rezero":
+        return ReZeroAdd()
     return ScaledAdd(*combine_coefficients(rule, j, config.n_layer))
 
 
@@ -338,6 +471,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
+    """RMSNorm of (B, T, heads, head_dim) queries, keys or values: each head on its own (DNT eq. 10), or
+    the heads together with one gain per channel (`qk_norm_span="all"`, OLMo 2's norm of the whole projection)."""
+    if not wanted:
+        return nn.Identity()
+    scheme, head_dim = config.scheme, config.n_embd // config.n_head
+    norm = nn.RMSNorm((config.n_head, head_dim) if scheme.qk_norm_span == "all" else head_dim, eps=config.norm_eps)
+    return norm if scheme.norm_affine else without_parameters(norm)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -346,9 +489,9 @@ class CausalSelfAttention(nn.Module):
         # separate q/k/v maps: each is its own matrix for the inits and Muon-style optimizers
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             make_linear(config, d, d) for _ in range(4))
-        qk_norm = config.scheme.qk_norm  # DNT eq. 10: gamma * sqrt(d_h) * q / ||q||
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
+        scheme = config.scheme
+        self.q_norm, self.k_norm = (make_qkv_norm(config, scheme.qk_norm) for _ in range(2))
+        self.v_norm = make_qkv_norm(config, scheme.v_norm)
         lipschitz_scale = config.scheme.attn_scale == "1/d"  # Bir et al. §4.3
         self.scale = 1.0 / self.head_dim if lipschitz_scale else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.dropout
@@ -363,7 +506,7 @@ class CausalSelfAttention(nn.Module):
         heads = (B, T, self.n_head, self.head_dim)
         q = self.q_norm(self.q_proj(x).view(heads)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(heads)).transpose(1, 2)
-        v = self.v_proj(x).view(heads).transpose(1, 2)
+        v = self.v_norm(self.v_proj(x).view(heads)).transpose(1, 2)
         if self.rope:
             q = apply_rope(q, self.rope_cos, self.rope_sin)
             k = apply_rope(k, self.rope_cos, self.rope_sin)
@@ -394,22 +537,43 @@ class MLP(nn.Module):
 # ----------------------------------------------------------------------------- block
 
 
+def block_scheme(config: GPTConfig, layer: int) -> Scheme:
+    """The row as block `layer` (0-based) uses it: the `first_blocks` rule may place its norms differently.
+
+    "post" (Mix-LN, Li et al.): Post-Norm in the first floor(mixln_fraction * L) blocks, the row's Pre-Norm after
+    them, as `post_pre` of the LayerNorm-Scaling code. "pre" (HybridNorm*, Zhuo et al.): block 0 is Pre-Norm on
+    both sub-layers and keeps the row's QKV-norm, as the HybridNorm code's `norm_pos_special_config` for block 0.
+    """
+    scheme = config.scheme
+    if scheme.first_blocks == "post" and layer < math.floor(config.mixln_fraction * config.n_layer):
+        return scheme._replace(pre_norm="none", post_norm=True, post_norm_at="attn+mlp")
+    if scheme.first_blocks == "pre" and layer == 0:
+        return scheme._replace(pre_norm="attn+mlp", post_norm=False)
+    return scheme
+
+
 class ResidualUpdate(nn.Module):
-    """One residual update j: x <- post_norm(combine(x, mid_norm(s * f(pre_norm(x)))))."""
+    """One residual update j: x <- post_norm(combine(x, mid_norm(s * f(c * pre_norm(x))))), c the pre-norm scale."""
 
     def __init__(self, config: GPTConfig, sublayer: nn.Module, name: str, j: int, layer: int):
         super().__init__()
-        scheme = config.scheme
-        self.pre_norm = maybe_norm(config, scheme.pre_norm in ("attn+mlp", name))
+        scheme = block_scheme(config, layer)
+        alpha = norm_alpha_init(config, name)
+        self.pre_norm = maybe_norm(config, scheme.pre_norm in ("attn+mlp", name), alpha)
+        # LNS (Sun et al.): the pre-norm output of block l = layer + 1 times 1/sqrt(l)
+        self.pre_norm_scale = 1 / math.sqrt(layer + 1) if scheme.pre_norm_scale == "1/sqrt(l)" else 1.0
         self.sublayer = sublayer
         self.branch_scale = scheme.branch_scale
         self.dropout = nn.Dropout(config.dropout)
-        self.mid_norm = maybe_norm(config, scheme.mid_norm)
+        self.mid_norm = maybe_norm(config, scheme.mid_norm, alpha)
         self.combine = make_combine(config, j, layer)
-        self.post_norm = maybe_norm(config, scheme.post_norm)
+        self.post_norm = maybe_norm(config, scheme.post_norm and scheme.post_norm_at in ("attn+mlp", name), alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.sublayer(self.pre_norm(x))
+        h = self.pre_norm(x)
+        if self.pre_norm_scale != 1.0:
+            h = self.pre_norm_scale * h
+        y = self.sublayer(h)
         if self.branch_scale != 1.0:
             y = self.branch_scale * y
         y = self.mid_norm(self.dropout(y))
@@ -421,6 +585,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn = ResidualUpdate(config, CausalSelfAttention(config), "attn", 2 * layer + 1, layer)
         self.mlp = ResidualUpdate(config, MLP(config), "mlp", 2 * layer + 2, layer)
+        if config.rezero_gate == "block" and isinstance(self.mlp.combine, ReZeroAdd):
+            self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.attn(x))
@@ -440,10 +606,12 @@ class GPT(nn.Module):
         else:
             self.wte = nn.Embedding(config.vocab_size, d)
         self.wpe = nn.Embedding(config.block_size, d) if config.pos == "learned" else None
+        embed_scale = config.norm in ELEMENTWISE_NORMS if config.embed_scale is None else config.embed_scale
+        self.embed_scale = ScalarGain(math.sqrt(d)) if embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.input_norm)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
-        self.final_norm = maybe_norm(config, scheme.final_norm)
+        self.final_norm = maybe_norm(config, scheme.final_norm, norm_alpha_init(config, "final"))
         if config.vector_mode:
             self.lm_head = nn.Linear(d, config.out_features, bias=False)
         else:
@@ -483,6 +651,9 @@ class GPT(nn.Module):
             nn.init.xavier_normal_(weight, gain=beta)
         elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
             nn.init.orthogonal_(weight)
+        elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
+            nn.init.zeros_(weight)
+        # "normal" (OLMo 2, LNS) keeps N(0, 0.02) everywhere: no 1/sqrt(2L) on the residual projections
 
     # ---- forward
 
@@ -493,7 +664,7 @@ class GPT(nn.Module):
             if T > self.config.block_size:
                 raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        return self.drop(self.input_norm(x))
+        return self.drop(self.input_norm(self.embed_scale(x)))
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -5,6 +5,7 @@ import math
 import pytest
 
 import bench
+from model import SCHEMES
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +31,10 @@ def test_bench_reports_optimizer_state_relative_to_adamw(tables):
     assert sgdw < adamw / 2 < sgdw * 1.05
     # Muon keeps one buffer for the hidden matrices and AdamW's two moments for the rest
     assert sgdw < muon < adamw
+
+
+def test_bench_lists_every_scheme_and_dyt_and_derf_in_pre_norm():
+    assert set(bench.SCHEME_CASES) == {*SCHEMES, "dyt", "derf"}
+    dyt = bench.model_config("tiny", **bench.scheme_case("dyt"))
+    assert (dyt.norm_scheme, dyt.norm) == ("pre", "dyt")
+    assert bench.model_config("tiny", **bench.scheme_case("hybrid")).norm_scheme == "hybrid"

@@ -7,6 +7,7 @@ import pytest
 from conftest import ROOT
 
 import train
+from model import ELEMENTWISE_NORMS, SCHEMES
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=2, gradient_accumulation_steps=1, max_iters=2,
@@ -20,7 +21,7 @@ def overrides(settings: dict) -> list[str]:
 
 def test_there_are_configs_for_every_scheme():
     names = {os.path.basename(c) for c in CONFIGS}
-    for scheme in ("post", "pre", "pre_alt", "deepnorm", "sandwich", "geonorm", "dnt", "lipschitz", "none"):
+    for scheme in (*SCHEMES, *ELEMENTWISE_NORMS):
         assert f"cpu_{scheme}.py" in names
     assert {"quickstart.py", "geonorm_125m.py", "dnt_124m_adamw.py", "gpt2_124m_msgdw.py"} <= names
 

@@ -1,0 +1,5 @@
+# Derf (gamma * erf(alpha x + s) + beta, alpha init 0.5, s init 0) in place of every LayerNorm of Pre-Norm, embedding scaled by a learnable sqrt(d), on char-level Shakespeare; 2-core CPU, a few minutes.
+from configs.cpu_base import *  # noqa: F403
+
+norm = "derf"
+out_dir = "out/cpu_derf"

@@ -1,0 +1,5 @@
+# DyT (gamma * tanh(alpha x) + beta, alpha init 0.5) in place of every LayerNorm of Pre-Norm, embedding scaled by a learnable sqrt(d), on char-level Shakespeare; 2-core CPU, a few minutes.
+from configs.cpu_base import *  # noqa: F403
+
+norm = "dyt"
+out_dir = "out/cpu_dyt"
