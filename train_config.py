@@ -130,6 +130,10 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "rope_base": (lambda t, m: m.pos == "rope", "pos='rope'"),
+    "mixln_fraction": (lambda t, m: m.scheme.first_blocks == "post", "norm_scheme='mixln' (first_blocks='post')"),
+    "rezero_gate": (lambda t, m: m.scheme.combine == "rezero", "norm_scheme='rezero'"),
+    **{key: (lambda t, m: m.norm in ("dyt", "derf"), "norm='dyt' or 'derf'")
+       for key in ("norm_alpha_init", "norm_alpha_init_attn", "norm_alpha_init_final")},
     "embed_fan_in": (lambda t, m: t.task == "icl" or m.in_features is not None, "vector inputs (task='icl')"),
 }
 
