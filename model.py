@@ -712,7 +712,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_parameter_constraints(self) -> None:
-        """Put constrained parameters back on their sets; train.py calls this after every optimizer step.
+        """Put constrained parameters back on their sets; train.py calls this after every optimizer step
+        (and `__init__` once, so they start there).
 
         Any sub-module with a `constrain_()` method takes part (a clamped gain, normalized weights);
         for a model without one this is a no-op. It must be deterministic, so that every DDP rank and
