@@ -491,9 +491,11 @@ class NormalizedLerp(nn.Module):
 
         h <- Norm(h + |alpha| * (Norm(y) - h))        alpha: init 0.05, scale 1/sqrt(d)
 
-    Two details follow NVIDIA/ngpt's model.py where the paper only asks for alpha > 0 and a unit h:
-    alpha enters as |alpha|, and h is normalized once more before the step (a no-op for a unit h up to
-    rounding; with learned positions it puts token + position embedding on the sphere).
+    alpha enters as |alpha|, as in NVIDIA/ngpt's model.py (the paper asks for alpha > 0). That code also
+    normalizes h before the step ("normally not needed": h is a unit vector already, as the embeddings
+    are unit rows and every update ends in Norm); the paper does not, and neither does this (one
+    normalization fewer per update). With learned positions (not in the paper) the first update starts
+    from token + position, of norm near sqrt(2), and ends on the sphere like every other.
     """
 
     def __init__(self, dim: int, alpha_init: float, alpha_scale: float):
@@ -501,8 +503,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = unit(x)
-        return unit(h + self.alpha().abs() * (unit(y) - h))
+        return unit(x + self.alpha().abs() * (unit(y) - x))
 
 
 class SphereAttention(nn.Module):
