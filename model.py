@@ -15,7 +15,8 @@ Every block performs the same four steps for its attention and its MLP:
 A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new combine rule.
 Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
 and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN; since 2020,
-DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun.
+DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun; and nGPT
+(Loshchilov et al.), whose unit-norm modules sit in their own section below.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Scheme(NamedTuple):
     combine: str  # residual rule, see `combine_coefficients` and `GeodesicStep`
     post_norm: bool  # normalize after the residual (Post-Norm, DeepNorm)
     final_norm: bool  # normalize before the output head
-    attn_scale: str  # attention logit scale: "1/sqrt(d)" (standard) or "1/d" (Lipschitz)
+    attn_scale: str  # attention logit scale: "1/sqrt(d)" (standard), "1/d" (Lipschitz), "sqrt(d)" (nGPT)
     branch_scale: float  # multiplies each sub-layer output (1/3 in the Lipschitz block)
     init: str  # "gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out" (see `GPT._init_block_linear`)
     # columns of the schemes since 2020; their defaults leave the rows that do not name them unchanged
@@ -49,6 +50,8 @@ class Scheme(NamedTuple):
     post_norm_at: str = "attn+mlp"  # the updates post_norm follows: "attn+mlp", or "attn" (HybridNorm)
     first_blocks: str = "same"  # "post": first blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm (HybridNorm*)
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
+    hypersphere: bool = False  # nGPT's unit-norm weights and sub-layers with learned scalings (see `SphereLinear`)
+    tie_head: bool = True  # the output head shares the token embedding's weight (GPT-2)
 
 
 # fmt: off
@@ -75,6 +78,8 @@ SCHEMES: dict[str, Scheme] = {
     "rezero":    Scheme(False, "none",     False, False, "rezero",   False, False, "1/sqrt(d)", 1.0, "gpt2"),
     "speedrun":  Scheme(True,  "attn+mlp", True,  False, "add",      False, True,  "1/sqrt(d)", 1.0, "zero_out",
                         norm_affine=False),
+    "ngpt":      Scheme(False, "none",     True,  False, "nlerp",    False, False, "sqrt(d)",   1.0, "gpt2",
+                        hypersphere=True, tie_head=False),
 }
 
 # `none` is Bir et al. §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
@@ -85,6 +90,8 @@ SCHEMES: dict[str, Scheme] = {
 # and Y = X + MHA(X), X' = N(Y) + FFN(N(Y)), i.e. a post-norm after the attention update only.
 # `speedrun` is the modded-nanogpt record of 2024-11-03 minus its untied, zero-initialized head: every
 # scheme here ties the head to the embedding. `norm="dyt"`/`"derf"` replace every norm above except q/k/v's.
+# `ngpt`'s matrices are drawn by `init` and then put on the unit sphere, so only the directions of the
+# draw matter (isotropic, as the paper's N(0, 1/sqrt(d)) draw); its QK-norm is L2 times s_qk.
 # DNT App. D ablation settings; `dnt` above is S5, the paper's default.
 DNT_SETTINGS: dict[str, Scheme] = {
     "S1": Scheme(False, "attn+mlp", False, False, "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
@@ -97,9 +104,9 @@ DNT_SETTINGS: dict[str, Scheme] = {
 
 NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
-COMBINE_RULES = ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero")
+COMBINE_RULES = ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "nlerp")
 PRE_NORM_PLACES = ("attn+mlp", "attn", "mlp", "none")
-ATTN_SCALES = ("1/sqrt(d)", "1/d")
+ATTN_SCALES = ("1/sqrt(d)", "1/d", "sqrt(d)")
 INITS = ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out")
 QK_NORM_SPANS = ("head", "all")
 PRE_NORM_SCALES = ("1", "1/sqrt(l)")
@@ -149,12 +156,17 @@ class GPTConfig:
     # LLaMA recipe and Derf's GPT-2 code do (without it a pre-norm DyT stream starts at the 0.02 init scale)
     embed_scale: bool | None = None
     rezero_gate: str = "update"  # ReZero's alpha: one per residual "update", or one per "block" (see ReZeroAdd)
+    hypersphere: bool | None = None
+    tie_head: bool | None = None
     # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
     # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
     # clamped to [1e-3, gain_cap]; None disables it
     gain_cap: float | None = None
+    # nGPT (eq. 10, 11): the eigen learning rates alpha_A, alpha_M start here (0.05 in the paper and
+    # its code, "in the order of 1/n_layers" (§2.6): 1/n_layer is the other reading at another depth)
+    ngpt_alpha_init: float = 0.05
     # architecture
     mlp: str = "gelu"  # "gelu" (GPT-2, 4d hidden) or "swiglu"
     mlp_hidden: int | None = None  # MLP width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
@@ -222,6 +234,14 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError(f"mixln_fraction={c.mixln_fraction} must lie in [0, 1] (a fraction of the blocks)")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
+    if c.ngpt_alpha_init <= 0:
+        raise ValueError(f"ngpt_alpha_init={c.ngpt_alpha_init} must be positive (the paper uses 0.05)")
+    if c.scheme.hypersphere and c.vector_mode:
+        raise ValueError("hypersphere=True (norm_scheme='ngpt') needs token inputs: its embeddings are unit "
+                         "vectors looked up by id; drop in_features/out_features or pick another norm_scheme")
+    if c.scheme.hypersphere and c.gain_cap is not None:
+        raise ValueError("gain_cap adds a gain to the plain linear maps; hypersphere=True (norm_scheme='ngpt') "
+                         "keeps its matrices at unit norm instead: set gain_cap=None")
 
 
 # ----------------------------------------------------------------------------- norms
@@ -434,6 +454,8 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
         return GeodesicStep(decay, config.geonorm_clamp)
     if rule == "rezero":
         return ReZeroAdd()
+    if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)
+        return NormalizedLerp(config.n_embd, config.ngpt_alpha_init, config.n_embd**-0.5)
     return ScaledAdd(*combine_coefficients(rule, j, config.n_layer))
 
 
@@ -456,6 +478,12 @@ def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:
     if config.gain_cap is not None:
         return GainLinear(d_in, d_out, config.bias, config.gain_cap)
     return nn.Linear(d_in, d_out, bias=config.bias)
+
+
+def softmax_scale(attn_scale: str, head_dim: int) -> float:
+    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3) or sqrt(d_h) (nGPT §2.3.2,
+    for unit q and k, whose dot products have variance 1/d_h)."""
+    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim)}[attn_scale]
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,8 +520,7 @@ class CausalSelfAttention(nn.Module):
         scheme = config.scheme
         self.q_norm, self.k_norm = (make_qkv_norm(config, scheme.qk_norm) for _ in range(2))
         self.v_norm = make_qkv_norm(config, scheme.v_norm)
-        lipschitz_scale = config.scheme.attn_scale == "1/d"  # Bir et al. §4.3
-        self.scale = 1.0 / self.head_dim if lipschitz_scale else 1.0 / math.sqrt(self.head_dim)
+        self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
         self.rope = config.pos == "rope"
         if self.rope:
@@ -516,14 +543,19 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+def mlp_width(config: GPTConfig) -> int:
+    if config.mlp_hidden is not None:
+        return config.mlp_hidden
+    d = config.n_embd  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
+    return 64 * math.ceil(8 * d / 3 / 64) if config.mlp == "swiglu" else 4 * d
+
+
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
-        hidden = config.mlp_hidden
-        if hidden is None:  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
-            hidden = 64 * math.ceil(8 * d / 3 / 64) if self.swiglu else 4 * d
+        hidden = mlp_width(config)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
         self.proj = make_linear(config, hidden, d)
@@ -532,6 +564,165 @@ class MLP(nn.Module):
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
+
+
+# ----------------------------------------------------------------------------- nGPT: the hypersphere
+#
+# nGPT (Loshchilov et al., ICLR 2025) keeps the residual stream and every weight vector along the
+# embedding axis at unit L2 norm; learned scalings (alpha, s_qk, s_u, s_v, s_z) restore the ranges
+# that normalization takes away. Checked against the paper and NVIDIA/ngpt's model.py and train.py;
+# where they differ, the docstrings below say which one is followed and why it does not matter.
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector."""
+    return F.normalize(x, dim=-1, eps=1e-12)
+
+
+class LearnedScale(nn.Module):
+    """A learnable vector in nGPT's parameterization (§2.5): stored as `scale` and read as
+    stored * init / scale, so it starts at `init` and an Adam step of size lr moves it by
+    lr * init / scale (scale 1/sqrt(d) lets alpha, s_qk and s_z move as fast as the unit weights)."""
+
+    def __init__(self, size: int, init: float, scale: float):
+        super().__init__()
+        self.init, self.scale = init, scale
+        self.param = nn.Parameter(torch.full((size,), float(scale)))
+
+    def forward(self) -> torch.Tensor:
+        return self.param * (self.init / self.scale)
+
+    def extra_repr(self) -> str:
+        return f"size={self.param.numel()}, init={self.init:.4g}, scale={self.scale:.4g}"
+
+
+class SphereLinear(nn.Linear):
+    """A linear map whose weight vectors along the embedding axis have unit norm (nGPT §2.6), so a map
+    that reads the unit stream outputs cosines. `unit_dim` is the weight's axis of length n_embd: 1 for
+    maps that read the stream (q, k, v and the MLP's inputs: unit rows), 0 for maps that write it
+    (out_proj and the MLP's proj: unit columns), as NVIDIA/ngpt's `normalize_matrices` does.
+    `constrain_` restores the norms; `GPT.apply_parameter_constraints` calls it at init and after
+    every optimizer step. Biases (off in the paper) are left as they are."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit_dim: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.unit_dim = unit_dim
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.weight.copy_(F.normalize(self.weight, dim=self.unit_dim))
+
+
+class SphereEmbedding(nn.Embedding):
+    """An embedding table with unit rows (nGPT §2.1), restored by `constrain_` like `SphereLinear`."""
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.weight.copy_(F.normalize(self.weight, dim=1))
+
+
+class SphereHead(SphereLinear):
+    """nGPT's output head (§2.1, eq. 3): unit rows make the logits cosines in [-1, 1]; a learned scale
+    per vocabulary entry, s_z (init 1, scale 1/sqrt(d)), gives them back a usable temperature."""
+
+    def __init__(self, n_embd: int, vocab_size: int):
+        super().__init__(n_embd, vocab_size, bias=False, unit_dim=1)
+        self.s_z = LearnedScale(vocab_size, 1.0, n_embd**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.s_z()
+
+
+class NormalizedLerp(nn.Module):
+    """nGPT's residual update (eq. 10, 11): step from h toward the sub-layer's normalized output by a
+    learned amount per channel (the eigen learning rates alpha_A, alpha_M), then back onto the sphere:
+
+        h <- Norm(h + |alpha| * (Norm(y) - h))        alpha: init 0.05, scale 1/sqrt(d)
+
+    alpha enters as |alpha|, as in NVIDIA/ngpt's model.py (the paper asks for alpha > 0). That code also
+    normalizes h before the step ("normally not needed": h is a unit vector already, as the embeddings
+    are unit rows and every update ends in Norm); the paper does not, and neither does this (one
+    normalization fewer per update). With learned positions (not in the paper) the first update starts
+    from token + position, of norm near sqrt(2), and ends on the sphere like every other.
+    """
+
+    def __init__(self, dim: int, alpha_init: float, alpha_scale: float):
+        super().__init__()
+        self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return unit(x + self.alpha().abs() * (unit(y) - x))
+
+
+class SphereAttention(nn.Module):
+    """nGPT's attention (§2.3.2): q, k, v and out are unit-norm maps; after RoPE, q and k are put on the
+    unit sphere per head and multiplied by s_qk (eq. 15, 16: a vector of d_k per head, init 1, scale
+    1/sqrt(d)); the row's attn_scale "sqrt(d)" replaces 1/sqrt(d_k) for these unit vectors.
+
+    s_qk acts after RoPE, as in NVIDIA/ngpt (the paper's equations leave RoPE out). That code rotates
+    adjacent channel pairs, `apply_rope` the two halves: the same model up to a fixed permutation of
+    each head's channels. qk_norm=False drops the normalization and s_qk (the paper's Table 6 ablation).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, self.n_head = config.n_embd, config.n_head
+        self.head_dim = d // config.n_head
+        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, config.bias, unit_dim=1) for _ in range(3))
+        self.out_proj = SphereLinear(d, d, config.bias, unit_dim=0)
+        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.qk_norm else None
+        self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
+        self.dropout = config.dropout
+        self.rope = config.pos == "rope"
+        if self.rope:
+            cos, sin = rope_tables(self.head_dim, config.block_size, config.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rope:
+            q = apply_rope(q, self.rope_cos, self.rope_sin)
+            k = apply_rope(k, self.rope_cos, self.rope_sin)
+        if self.s_qk is not None:
+            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim)  # one vector per head
+            q, k = (unit(q) * s_qk).to(v.dtype), (unit(k) * s_qk).to(v.dtype)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SphereMLP(nn.Module):
+    """nGPT's MLP (§2.4.2): unit-norm maps, and u <- s_u * u, v <- s_v * sqrt(d) * v before u * SiLU(v)
+    (eq. 20, 21; s_u, s_v init 1, scale 1). The sqrt(d) lifts v, a cosine of order 1/sqrt(d), out of
+    SiLU's near-linear range.
+
+    NVIDIA/ngpt puts the sqrt(d) on u as well. Without biases (as in the paper) the MLP's output is
+    used only after Norm (eq. 11), which makes it 0-homogeneous in u: a constant on u changes neither
+    the forward pass nor any gradient, so the paper's form is followed and no option is needed. With
+    mlp="gelu" (not in the paper) the one input map feeds the nonlinearity and takes v's scaling.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, hidden = config.n_embd, mlp_width(config)
+        self.swiglu = config.mlp == "swiglu"
+        self.fc = SphereLinear(d, hidden, config.bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
+        self.gate = SphereLinear(d, hidden, config.bias, unit_dim=1) if self.swiglu else None  # v
+        self.proj = SphereLinear(hidden, d, config.bias, unit_dim=0)
+        self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
+        self.s_v = LearnedScale(hidden, 1.0, 1.0)
+        self.v_gain = math.sqrt(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.swiglu:
+            return self.proj(F.gelu(self.fc(x) * (self.s_v() * self.v_gain)))
+        u = self.fc(x) * self.s_u()
+        v = self.gate(x) * (self.s_v() * self.v_gain)
+        return self.proj(u * F.silu(v))
 
 
 # ----------------------------------------------------------------------------- block
@@ -583,8 +774,10 @@ class ResidualUpdate(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.attn = ResidualUpdate(config, CausalSelfAttention(config), "attn", 2 * layer + 1, layer)
-        self.mlp = ResidualUpdate(config, MLP(config), "mlp", 2 * layer + 2, layer)
+        sphere = config.scheme.hypersphere
+        attention, mlp = (SphereAttention, SphereMLP) if sphere else (CausalSelfAttention, MLP)
+        self.attn = ResidualUpdate(config, attention(config), "attn", 2 * layer + 1, layer)
+        self.mlp = ResidualUpdate(config, mlp(config), "mlp", 2 * layer + 2, layer)
         if config.rezero_gate == "block" and isinstance(self.mlp.combine, ReZeroAdd):
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
@@ -601,11 +794,12 @@ class GPT(nn.Module):
         self.config = config
         scheme = config.scheme
         d = config.n_embd
+        embedding = SphereEmbedding if scheme.hypersphere else nn.Embedding
         if config.vector_mode:
             self.wte = nn.Linear(config.in_features, d, bias=False)
         else:
-            self.wte = nn.Embedding(config.vocab_size, d)
-        self.wpe = nn.Embedding(config.block_size, d) if config.pos == "learned" else None
+            self.wte = embedding(config.vocab_size, d)
+        self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
         embed_scale = config.norm in ELEMENTWISE_NORMS if config.embed_scale is None else config.embed_scale
         self.embed_scale = ScalarGain(math.sqrt(d)) if embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.input_norm)
@@ -614,14 +808,18 @@ class GPT(nn.Module):
         self.final_norm = maybe_norm(config, scheme.final_norm, norm_alpha_init(config, "final"))
         if config.vector_mode:
             self.lm_head = nn.Linear(d, config.out_features, bias=False)
+        elif scheme.hypersphere:
+            self.lm_head = SphereHead(d, config.vocab_size)
         else:
             self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        if scheme.tie_head and not config.vector_mode:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
         self.apply(self._init_weights)
         for block in self.blocks:
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
                     self._init_block_linear(name, module.weight)
+        self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
 
     # ---- initialization
 
@@ -691,7 +889,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_parameter_constraints(self) -> None:
-        """Put constrained parameters back on their sets; train.py calls this after every optimizer step.
+        """Put constrained parameters back on their sets; train.py calls this after every optimizer step
+        (and `__init__` once, so they start there).
 
         Any sub-module with a `constrain_()` method takes part (a clamped gain, normalized weights);
         for a model without one this is a no-op. It must be deterministic, so that every DDP rank and
@@ -704,10 +903,13 @@ class GPT(nn.Module):
     # ---- utilities
 
     def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; position embeddings are left out by default (tied wte is counted)."""
+        """Parameter count; position embeddings are left out by default, and so is a token embedding
+        that is not tied to the head (a lookup table costs no matmul; a tied one is counted once)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()
+        if non_embedding and isinstance(self.wte, nn.Embedding) and self.wte.weight is not self.lm_head.weight:
+            n -= self.wte.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int) -> float:

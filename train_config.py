@@ -132,6 +132,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "rope_base": (lambda t, m: m.pos == "rope", "pos='rope'"),
     "mixln_fraction": (lambda t, m: m.scheme.first_blocks == "post", "norm_scheme='mixln' (first_blocks='post')"),
     "rezero_gate": (lambda t, m: m.scheme.combine == "rezero", "norm_scheme='rezero'"),
+    "ngpt_alpha_init": (lambda t, m: m.scheme.combine == "nlerp", "norm_scheme='ngpt'"),
     **{key: (lambda t, m: m.norm in ("dyt", "derf"), "norm='dyt' or 'derf'")
        for key in ("norm_alpha_init", "norm_alpha_init_attn", "norm_alpha_init_final")},
     "embed_fan_in": (lambda t, m: t.task == "icl" or m.in_features is not None, "vector inputs (task='icl')"),
