@@ -20,8 +20,9 @@ gains, biases and scalars are "other" parameters; weight decay applies to >=2-D 
   §3.1, App. 8.1), AdamW for the other parameters.
 
 Two orthogonalizations live here. `zeropower_newton_schulz` is Muon's: 5 quintic steps in
-bfloat16 that only land singular values in a band around 1. `msign` is the accurate polar
-factor U V^T in float32 that Manifold Muon needs for its retraction.
+bfloat16 that only land singular values in a band around 1. `msign` is the polar factor U V^T,
+accurate in float32 (Manifold Muon's directions run it in bfloat16); `retract` is Manifold
+Muon's retraction, the polar factor of W - lr A for A tangent at W in a few polishing steps.
 
 `python optim.py` times one step of each optimizer on GPT-2-shaped parameters; see `main`.
 """
@@ -84,8 +85,8 @@ def _ieee_float32_matmul() -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def msign(G: Tensor, steps: int = 10) -> Tensor:
-    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square), float32.
+def msign(G: Tensor, steps: int = 10, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square), returned in float32.
 
     After dividing by the Frobenius norm, `steps - 3` steps of Muon's quintic grow small
     singular values fast (x3.4 per step) into Muon's band, then 3 steps of the convergent quintic
@@ -94,6 +95,8 @@ def msign(G: Tensor, steps: int = 10) -> Tensor:
     (1e-5 * ||G||_F becomes 0.37, 1e-6 * ||G||_F becomes 0.04). The iteration acts on singular
     values only, so in exact arithmetic the error in direction i is |phi(s_i / ||G||_F) - 1| for
     the scalar map phi; float32 rounding adds about eps * ||G||_F / s_min (tests check both).
+    `dtype` is the precision of the iteration: bfloat16 is about twice as fast on hardware with
+    bfloat16 matmuls but resolves singular values only to within ~1e-2 of 1.
     """
     if G.ndim != 2:
         raise ValueError(f"msign expects a matrix, got shape {tuple(G.shape)}")
@@ -102,11 +105,55 @@ def msign(G: Tensor, steps: int = 10) -> Tensor:
         tall = X.size(0) > X.size(1)
         if tall:
             X = X.mT
-        X = X / X.norm().clamp(min=1e-30)
+        X = (X / X.norm().clamp(min=1e-30)).to(dtype)
         for i in range(steps):
             polish = i >= steps - POLISH_STEPS
             X = _quintic_step(X, *(POLISH_NS_COEFFICIENTS if polish else MUON_NS_COEFFICIENTS))
+        X = X.float()
         return X.mT if tall else X
+
+
+# ----------------------------------------------------------------------------------------------
+# The Stiefel manifold W^T W = I (tall W): tangent projection and retraction
+
+# ||P_T(A)||_2^2 <= 4/3 for ||A||_2 <= 1: for a unit x, with M = W^T A,
+# ||P_T(A) x||^2 = ||Ax||^2 - ||Mx||^2 + ||skew(M) x||^2 <= 1 - t^2 + ((1 + t)/2)^2 <= 4/3 (t = ||Mx||).
+TANGENT_NORM_BOUND_SQ = 4 / 3
+RETRACTION_TOL = 1e-7  # singular values of the retraction within 1e-7 of 1 (float32 adds ~1e-6)
+MAX_RETRACTION_STEPS = 30
+
+
+def project_tangent(W: Tensor, A: Tensor) -> Tensor:
+    """A - W sym(W^T A): the part of A tangent to the Stiefel manifold at W (tall, W^T W = I).
+
+    For a tangent T, W^T T is skew, so (W - lr T)^T (W - lr T) = I + lr^2 T^T T: every singular
+    value of W - lr T is >= 1 at any lr, and the retraction is well conditioned."""
+    WtA = W.mT @ A
+    return A - W @ ((WtA + WtA.mT) / 2)
+
+
+def retraction_steps(lr: float) -> int:
+    """Polishing steps that bring every singular value of (W - lr T) / u to within RETRACTION_TOL
+    of 1, for W on the manifold, T tangent with ||T||_2^2 <= 4/3 and u = sqrt(1 + 4/3 lr^2), an
+    upper bound of the spectral norm: the singular values start in [1/u, 1], and the polishing
+    quintic moves the lowest one most slowly (1 step at lr 1e-3, 2 at 0.1, 4 at 1, 5 at 2)."""
+    s = (1 + TANGENT_NORM_BOUND_SQ * lr**2) ** -0.5
+    a, b, c = POLISH_NS_COEFFICIENTS
+    steps = 0
+    while steps == 0 or (1 - s > RETRACTION_TOL and steps < MAX_RETRACTION_STEPS):
+        s = a * s + b * s**3 + c * s**5
+        steps += 1
+    return steps
+
+
+def retract(W: Tensor, T: Tensor, lr: float) -> Tensor:
+    """msign(W - lr T) for tall W on the manifold and T tangent at W (see `project_tangent`),
+    float32: scaled by the bound 1/u of `retraction_steps`, then that many polishing steps (in
+    place of msign's Frobenius scaling and growth steps, which such a matrix does not need)."""
+    X = (W - lr * T).mT * (1 + TANGENT_NORM_BOUND_SQ * lr**2) ** -0.5  # wide: k x k Gram
+    for _ in range(retraction_steps(lr)):
+        X = _quintic_step(X, *POLISH_NS_COEFFICIENTS)
+    return X.mT
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,6 +276,13 @@ class _MatrixAndAdamW(Optimizer):
             shapes = [tuple(p.shape) for p in param_group["params"] if p.ndim != 2]
             raise ValueError(f"'matrix' groups take 2-D parameters only, got shapes {shapes}; "
                              "put the others in an 'adamw' group (split_params does this)")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        kind_defaults = getattr(self, "_kind_defaults", {})
+        for group in self.param_groups:  # a checkpoint from before an option existed: its default
+            for key, value in kind_defaults.get(group.get("kind"), {}).items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -361,40 +415,72 @@ class Muon(_MatrixAndAdamW):
         p.add_(update, alpha=-group["lr"] * _muon_lr_scale(p.shape, group["adjust_lr"]))
 
 
+DUAL_INITS = ("bernstein", "zero")
+GRADIENT_SCALES = ("unit_rms", "raw")
+DIRECTION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 class ManifoldMuon(_MatrixAndAdamW):
     """Manifold Muon with online dual ascent (Bir et al. §3.1, App. 8.1), AdamW for the
     other parameters, in one optimizer.
 
     Each matrix, made tall (n x k, n >= k) by transposing if it is wide, lives on the Stiefel
     manifold W^T W = I_k (a wide parameter has orthonormal rows). With G the momentum direction
-    (Muon's momentum, see `_momentum_direction`) rescaled to ||G||_F = sqrt(k), one step is
+    (see `_momentum_direction`), one step is
 
-        first step only: W <- msign(W);  Lambda <- -1/4 (W^T G + G^T W)
+        first step only:     W <- msign(W)                  (start on the manifold)
+        first step, or every step if dual_reset:  Lambda <- Lambda_0 (dual_init)
         repeat dual_steps:   A = msign(G + 2 W Lambda)      (Bir et al. §3.1, step 2)
                              H = W^T A + A^T W              (tangent-space violation)
                              Lambda <- Lambda - alpha H     (App. 8.1, "Lambda = Lambda - alpha H")
         A = msign(G + 2 W Lambda)
+        A <- A - W sym(W^T A)                               (tangent projection, see below)
         W <- msign(W - lr A)                                (§3.1 step 3: retraction)
 
     Lambda (symmetric k x k, state "dual") is kept across steps: that is what makes the dual
-    ascent online. The projection happens at a parameter's first step, not at construction, so
-    resuming from a checkpoint never re-projects. -alpha H is a step of gradient ascent on the
-    dual function -||G + 2 W Lambda||_* (its gradient in Lambda is -H).
+    ascent online. -alpha H is a step of gradient ascent on the dual function
+    -||G + 2 W Lambda||_* (its gradient in Lambda is -H). The projection onto the manifold happens
+    at a parameter's first step, not at construction, so resuming never re-projects.
 
-    Choices the paper leaves open, and why:
-    - G is rescaled so its singular values have RMS 1 (||G||_F = sqrt(k)). msign(G + 2 W Lambda)
-      is invariant to scaling G and Lambda together, but the dual step alpha H is not
-      (||H||_2 <= 2 whatever G's scale): with the raw gradient the useful alpha would move with
-      the loss scale, batch size, clipping and k. Rescaled, alpha is a fraction of G's typical
-      singular value, and Lambda stays comparable across steps as the gradient shrinks.
-    - alpha = dual_lr = 0.01, the dual step in Bir et al.'s released code (there annealed as
-      alpha (1 - j/J) over J = 50 inner steps, with Lambda re-initialized at every call; here
-      constant and carried). With W frozen and a well-conditioned G the residual ||H|| falls to
-      ~0 (tests); where G + 2 W Lambda has singular values small compared with alpha the ascent
-      can oscillate. Between steps W and G move, so a carried Lambda lags: in toy runs
-      (lr 0.1) ||H||_F / sqrt(k) stays ~1.2-1.5 (2 at most). dual_reset=True re-initializes
-      Lambda from the current W and G at every step, as that code does (for square W this
-      initialization is exact: A is tangent).
+    Options, with the source of each default and the choice of the optimizer Bir et al. train
+    with in their released code (its online step; the same file's offline `manifold_muon_step`,
+    adapted from Bernstein's Modular Manifolds solver, is not used in training):
+
+        option          default here                          released optimizer
+        momentum        0.95, buf <- mu buf + (1 - mu) g      0.95, the same buffer
+        nesterov        True (Keller Jordan's Muon)           False: the buffer itself
+        gradient_scale  "unit_rms" (this code's, below)       "raw": G as it comes
+        dual_init       "bernstein": -1/4 (W^T G + G^T W)     "zero"
+                        (Bernstein's offline solver)
+        dual_lr         0.01 (the offline solver's alpha,     0.1 (`mm_alpha`)
+                        there annealed over 50 inner steps)
+        dual_steps      1                                     1
+        direction msign bfloat16, msign_steps = 10            bfloat16 Polar Express, 10 steps
+        retraction      float32, W^T W = I to ~1e-6           bfloat16 Polar Express, 10 steps
+
+    So `ManifoldMuon(params, nesterov=False, gradient_scale="raw", dual_init="zero",
+    dual_lr=0.1)` is the released optimizer up to the precision of msign and the tangent
+    projection. Why the defaults differ:
+    - gradient_scale="unit_rms" rescales G so its singular values have RMS 1 (||G||_F = sqrt(k)).
+      msign(G + 2 W Lambda) is invariant to scaling G and Lambda together, but the dual step
+      alpha H is not (||H||_2 <= 2 whatever G's scale): on the raw gradient the useful alpha moves
+      with the loss scale, batch size, clipping and k, and a dual step of 0.1 on a gradient of
+      norm ~1e-2 makes Lambda, not G, set the direction. Rescaled, alpha is a fraction of G's
+      typical singular value, and Lambda stays comparable across steps as the gradient shrinks.
+    - dual_init="bernstein": for square W, Lambda_0 makes A tangent exactly (G + 2 W Lambda_0 =
+      W skew(W^T G)); for tall W it is the least-squares start. With W frozen and a
+      well-conditioned G the carried ascent drives ||H|| to ~0 (tests); between steps W and G
+      move, so a carried Lambda lags (in toy runs at lr 0.1, ||H||_F / sqrt(k) ~1.2-1.5).
+      dual_reset=True re-initializes Lambda at every step, as the offline solver does.
+    - The tangent projection is this code's. A lagging Lambda leaves A far from tangent; W^T A
+      can then have an eigenvalue near 1/lr, W - lr A is nearly singular at lr ~ 1, and its polar
+      factor is ill-conditioned (measured: square matrices at lr 1 left the manifold, max|W^T W -
+      I| up to 0.3). The retraction removes the normal part sym(W^T A) anyway, to first order in
+      lr; projecting it first makes every singular value of W - lr A >= 1 (`project_tangent`), so
+      `retract` needs only a few polishing steps and W^T W = I holds to ~1e-6 at any lr.
+    - The two direction msigns need not be exact (A is a descent direction; the projection and
+      the retraction keep W on the manifold), so they run in bfloat16 like Muon's Newton-Schulz
+      and the released code's msign; direction_dtype="float32" makes them exact.
     - No weight decay on matrices: msign(c W) = msign(W), so a shrink of W is undone by the
       retraction (Bir et al. Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
     - lr is used as is (no rows/cols scaling as in Muon): the retraction sets the scale.
@@ -408,10 +494,13 @@ class ManifoldMuon(_MatrixAndAdamW):
         lr: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
+        gradient_scale: str = "unit_rms",
+        dual_init: str = "bernstein",
         dual_steps: int = 1,
         dual_lr: float = 0.01,
         dual_reset: bool = False,
         msign_steps: int = 10,
+        direction_dtype: str = "bfloat16",
         weight_decay: float = 0.0,
         adamw_params: Iterable[Any] | None = None,
         adamw_lr: float = 3e-4,
@@ -420,8 +509,10 @@ class ManifoldMuon(_MatrixAndAdamW):
         adamw_weight_decay: float = 0.0,
         distributed: bool = True,
     ) -> None:
-        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, dual_steps=dual_steps,
-                               dual_lr=dual_lr, dual_reset=dual_reset, msign_steps=msign_steps,
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                               gradient_scale=gradient_scale, dual_init=dual_init,
+                               dual_steps=dual_steps, dual_lr=dual_lr, dual_reset=dual_reset,
+                               msign_steps=msign_steps, direction_dtype=direction_dtype,
                                weight_decay=weight_decay)
         adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                               weight_decay=adamw_weight_decay)
@@ -429,10 +520,16 @@ class ManifoldMuon(_MatrixAndAdamW):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if param_group["kind"] == "matrix" and param_group["weight_decay"] != 0:
+        if param_group["kind"] != "matrix":
+            return
+        if param_group["weight_decay"] != 0:
             raise ValueError("ManifoldMuon matrices take no weight decay: the retraction "
                              "msign(W) undoes any shrink of W; set weight_decay=0 "
                              "(adamw_weight_decay still applies to the other parameters)")
+        for key, valid in (("gradient_scale", GRADIENT_SCALES), ("dual_init", DUAL_INITS),
+                           ("direction_dtype", tuple(DIRECTION_DTYPES))):
+            if param_group[key] not in valid:
+                raise ValueError(f"{key} must be one of {valid}, got {param_group[key]!r}")
 
     def _init_state(self, p, state):
         super()._init_state(p, state)
@@ -448,24 +545,31 @@ class ManifoldMuon(_MatrixAndAdamW):
         wide = p.size(0) < p.size(1)
         W, G = (p.mT, d.mT) if wide else (p, d)
         W, G = W.float(), G.float()
-        G = G * (W.size(1) ** 0.5 / G.norm().clamp(min=1e-30))  # singular values with RMS 1
-        steps = group["msign_steps"]
+        if group["gradient_scale"] == "unit_rms":
+            G = G * (W.size(1) ** 0.5 / G.norm().clamp(min=1e-30))  # singular values with RMS 1
+        steps, dtype = group["msign_steps"], DIRECTION_DTYPES[group["direction_dtype"]]
         with _ieee_float32_matmul():
             if first_step:
-                W = msign(W, steps)  # start on the manifold (weights start orthogonal)
+                W = msign(W)  # start on the manifold (weights start orthogonal)
             if first_step or group["dual_reset"]:
-                WtG = W.mT @ G
-                dual = -0.25 * (WtG + WtG.mT)  # symmetric by construction
+                dual = initial_dual(W, G, group["dual_init"])
             else:
                 dual = state["dual"].float()
             for _ in range(group["dual_steps"]):
-                A = msign(G + 2 * W @ dual, steps)
-                WtA = W.mT @ A
+                WtA = W.mT @ msign(G + 2 * W @ dual, steps, dtype)
                 dual = dual - group["dual_lr"] * (WtA + WtA.mT)  # H is symmetric exactly
-            A = msign(G + 2 * W @ dual, steps)
-            W = msign(W - group["lr"] * A, steps)
+            A = project_tangent(W, msign(G + 2 * W @ dual, steps, dtype))
+            W = retract(W, A, group["lr"])
         state["dual"].copy_(dual)
         p.copy_(W.mT if wide else W)
+
+
+def initial_dual(W: Tensor, G: Tensor, dual_init: str) -> Tensor:
+    """Lambda_0 for tall W and G: zero, or Bernstein's -1/4 (W^T G + G^T W) (symmetric exactly)."""
+    if dual_init == "zero":
+        return W.new_zeros(W.size(1), W.size(1))
+    WtG = W.mT @ G
+    return -0.25 * (WtG + WtG.mT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,10 +622,13 @@ OPTIMIZER_OPTIONS: dict[str, Any] = dict(
     matrix_nesterov=True,  # muon / manifold_muon
     ns_steps=5,  # muon: Newton-Schulz steps
     adjust_lr="original",  # muon: "original" or "match_rms_adamw"
+    gradient_scale="unit_rms",  # manifold_muon: "unit_rms" (G's singular values RMS 1) or "raw"
+    dual_init="bernstein",  # manifold_muon: first dual, "bernstein" (-1/4 (W^T G + G^T W)) or "zero"
     dual_steps=1,  # manifold_muon: dual-ascent steps per update
-    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (G rescaled to RMS singular value 1)
+    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (the released code: 0.1 on raw G)
     dual_reset=False,  # manifold_muon: re-initialize the dual every step instead of carrying it
-    msign_steps=10,  # manifold_muon: iterations of msign
+    msign_steps=10,  # manifold_muon: iterations of the two direction msigns
+    direction_dtype="bfloat16",  # manifold_muon: precision of the direction msigns, or "float32"
     distributed=True,  # muon / manifold_muon: shard the matrices across ranks when possible
 )
 DEFAULT_MATRIX_LR = {"muon": 0.02, "manifold_muon": 0.1}
@@ -577,9 +684,10 @@ def build_optimizer(
             optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"], weight_decay=weight_decay,
                              adjust_lr=opt["adjust_lr"], **shared)
         else:
-            optimizer = ManifoldMuon(parts["matrix"], dual_steps=opt["dual_steps"],
-                                     dual_lr=opt["dual_lr"], dual_reset=opt["dual_reset"],
-                                     msign_steps=opt["msign_steps"], **shared)
+            manifold_options = ("gradient_scale", "dual_init", "dual_steps", "dual_lr",
+                                "dual_reset", "msign_steps", "direction_dtype")
+            optimizer = ManifoldMuon(parts["matrix"], **{k: opt[k] for k in manifold_options},
+                                     **shared)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
     return optimizer
