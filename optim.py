@@ -622,6 +622,7 @@ OPTIMIZER_OPTIONS: dict[str, Any] = dict(
     matrix_nesterov=True,  # muon / manifold_muon
     ns_steps=5,  # muon: Newton-Schulz steps
     adjust_lr="original",  # muon: "original" or "match_rms_adamw"
+    matrix_weight_decay=None,  # muon: decay of the matrices; None = weight_decay (manifold_muon: 0)
     gradient_scale="unit_rms",  # manifold_muon: "unit_rms" (G's singular values RMS 1) or "raw"
     dual_init="bernstein",  # manifold_muon: first dual, "bernstein" (-1/4 (W^T G + G^T W)) or "zero"
     dual_steps=1,  # manifold_muon: dual-ascent steps per update
@@ -649,9 +650,9 @@ def build_optimizer(
     `lr`, `weight_decay` and `betas` are the AdamW-side settings: AdamW's (and SGDW's lr and
     weight decay) for "adamw"/"sgdw", the AdamW groups' for "muon"/"manifold_muon", whose
     matrices take `matrix_lr`. Groups: parameters >= 2-D with `weight_decay` and the rest without;
-    the Muons put the matrices in their own "matrix" group first. Muon decays matrices with
-    `weight_decay` too; Manifold Muon does not (the retraction undoes it). `options` are listed
-    with their defaults in OPTIMIZER_OPTIONS.
+    the Muons put the matrices in their own "matrix" group first, decayed by `matrix_weight_decay`:
+    for Muon None means `weight_decay`, for Manifold Muon 0 (the retraction undoes any decay, so
+    it rejects another value). `options` are listed with their defaults in OPTIMIZER_OPTIONS.
 
     Every param group gets "base_lr" = its initial lr, so a schedule sets
     group["lr"] = group["base_lr"] * multiplier for all groups.
@@ -677,11 +678,17 @@ def build_optimizer(
         optimizer = SGDW(groups, lr=lr, momentum=opt["momentum"], nesterov=opt["nesterov"])
     else:
         matrix_lr = DEFAULT_MATRIX_LR[name] if opt["matrix_lr"] is None else opt["matrix_lr"]
+        matrix_wd = opt["matrix_weight_decay"]
+        if matrix_wd is None:
+            matrix_wd = weight_decay if name == "muon" else 0.0
+        if matrix_wd < 0:
+            raise ValueError(f"matrix_weight_decay={matrix_wd} must not be negative")
         shared = dict(lr=matrix_lr, momentum=opt["matrix_momentum"],
-                      nesterov=opt["matrix_nesterov"], adamw_params=groups, adamw_lr=lr,
-                      adamw_betas=betas, adamw_eps=opt["eps"], distributed=opt["distributed"])
+                      nesterov=opt["matrix_nesterov"], weight_decay=matrix_wd,
+                      adamw_params=groups, adamw_lr=lr, adamw_betas=betas, adamw_eps=opt["eps"],
+                      distributed=opt["distributed"])
         if name == "muon":
-            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"], weight_decay=weight_decay,
+            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"],
                              adjust_lr=opt["adjust_lr"], **shared)
         else:
             manifold_options = ("gradient_scale", "dual_init", "dual_steps", "dual_lr",

@@ -106,6 +106,7 @@ class TrainConfig:
     nesterov: bool = False  # sgdw
     matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
     matrix_momentum: float = 0.95
+    matrix_weight_decay: float | None = None  # muon / manifold_muon: None = weight_decay (manifold_muon: 0)
     dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
     dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
     dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
@@ -632,6 +633,7 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2), device_type=device.split(":")[0], momentum=cfg.momentum,
         nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
+        matrix_weight_decay=cfg.matrix_weight_decay,
         dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
         msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
     if checkpoint is not None:

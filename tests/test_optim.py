@@ -3,16 +3,19 @@ the SVD, Manifold Muon's constraint and dual ascent, checkpoints, routing and sh
 
 import io
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import tiny_run_args
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import optim
+import train
 from optim import (
     OPTIMIZERS,
     SGDW,
@@ -497,6 +500,43 @@ def test_build_optimizer_sends_each_option_to_its_optimizer():
     assert (matrix["dual_steps"], matrix["dual_lr"], matrix["msign_steps"]) == (2, 0.02, 8)
     assert (matrix["gradient_scale"], matrix["dual_init"], matrix["direction_dtype"]) == (
         "raw", "zero", "float32")
+
+
+def test_matrix_weight_decay_sets_the_matrices_apart_from_the_adamw_side():
+    settings = dict(lr=0.1, betas=(0.9, 0.95), device_type="cpu", matrix_lr=0.5)
+    model = TinyGPT()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # zero gradients: each step is the decay alone
+    before = {p: p.detach().clone() for p in model.parameters()}
+    muon = build_optimizer(model, "muon", weight_decay=0.2, matrix_weight_decay=0.02, **settings)
+    muon.step()
+    matrix, decay, no_decay = muon.param_groups
+    assert [g["weight_decay"] for g in (matrix, decay, no_decay)] == [0.02, 0.2, 0.0]
+    for p in matrix["params"]:  # decoupled: p (1 - lr wd), with the matrices' own lr and wd
+        torch.testing.assert_close(p.detach(), before[p] * (1 - 0.5 * 0.02), rtol=0, atol=0)
+    for p in decay["params"]:
+        torch.testing.assert_close(p.detach(), before[p] * (1 - 0.1 * 0.2), rtol=0, atol=0)
+    # None: Muon's matrices take weight_decay, Manifold Muon's none (the retraction undoes it).
+    muon = build_optimizer(TinyGPT(), "muon", weight_decay=0.2, **settings)
+    assert muon.param_groups[0]["weight_decay"] == 0.2
+    manifold = build_optimizer(TinyGPT(), "manifold_muon", weight_decay=0.2, **settings)
+    assert [g["weight_decay"] for g in manifold.param_groups] == [0.0, 0.2, 0.0]
+    with pytest.raises(ValueError, match="no weight decay"):
+        build_optimizer(TinyGPT(), "manifold_muon", weight_decay=0.2, matrix_weight_decay=0.1,
+                        **settings)
+    with pytest.raises(ValueError, match="must not be negative"):
+        build_optimizer(TinyGPT(), "muon", weight_decay=0.2, matrix_weight_decay=-1.0, **settings)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_py_passes_matrix_weight_decay(data_dir, tmp_path):
+    out = str(tmp_path / "run")
+    args = tiny_run_args(data_dir, out, optimizer="muon", weight_decay=0.1, matrix_weight_decay=0.05,
+                         max_iters=1, eval_interval=1, eval_iters=1)
+    assert train.train(args) == 0
+    groups = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
+    assert [(g["kind"], g["weight_decay"]) for g in groups] == [
+        ("matrix", 0.05), ("adamw", 0.1), ("adamw", 0.0)]
 
 
 def test_benchmark_reports_every_optimizer():
