@@ -54,9 +54,11 @@ POLISH_STEPS = 3  # Muon's band [0.68, 1.13] to 1: error 0.32 -> 6e-2 -> 6e-4 ->
 
 
 def _quintic_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
-    """X <- a X + (b S + c S^2) X with S = X X^T: s <- a s + b s^3 + c s^5 on singular values."""
+    """X <- a X + (b S + c S^2) X with S = X X^T: s <- a s + b s^3 + c s^5 on singular values.
+    X is a matrix or a batch of them (b x m x n)."""
     gram = X @ X.mT
-    return torch.addmm(X, torch.addmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)
+    fused = torch.addmm if X.ndim == 2 else torch.baddbmm
+    return fused(X, fused(gram, gram, gram, beta=b, alpha=c), X, beta=a)
 
 
 def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
@@ -86,7 +88,8 @@ def _ieee_float32_matmul() -> Iterator[None]:
 
 
 def msign(G: Tensor, steps: int = 10, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square), returned in float32.
+    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square; or a batch of equal
+    shapes, b x m x n), returned in float32.
 
     After dividing by the Frobenius norm, `steps - 3` steps of Muon's quintic grow small
     singular values fast (x3.4 per step) into Muon's band, then 3 steps of the convergent quintic
@@ -95,17 +98,18 @@ def msign(G: Tensor, steps: int = 10, dtype: torch.dtype = torch.float32) -> Ten
     (1e-5 * ||G||_F becomes 0.37, 1e-6 * ||G||_F becomes 0.04). The iteration acts on singular
     values only, so in exact arithmetic the error in direction i is |phi(s_i / ||G||_F) - 1| for
     the scalar map phi; float32 rounding adds about eps * ||G||_F / s_min (tests check both).
-    `dtype` is the precision of the iteration: bfloat16 is about twice as fast on hardware with
-    bfloat16 matmuls but resolves singular values only to within ~1e-2 of 1.
+    `dtype` is the precision of the iteration: bfloat16 is several times faster where its matmuls
+    are native (4x on a 2-core AVX-512 CPU at 256 x 1024) but brings singular values only to
+    within ~1e-2 of 1.
     """
-    if G.ndim != 2:
-        raise ValueError(f"msign expects a matrix, got shape {tuple(G.shape)}")
+    if G.ndim not in (2, 3):
+        raise ValueError(f"msign expects a matrix or a batch of them, got shape {tuple(G.shape)}")
     with _ieee_float32_matmul():
         X = G.float()
-        tall = X.size(0) > X.size(1)
+        tall = X.size(-2) > X.size(-1)
         if tall:
             X = X.mT
-        X = (X / X.norm().clamp(min=1e-30)).to(dtype)
+        X = (X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30)).to(dtype)
         for i in range(steps):
             polish = i >= steps - POLISH_STEPS
             X = _quintic_step(X, *(POLISH_NS_COEFFICIENTS if polish else MUON_NS_COEFFICIENTS))
@@ -136,7 +140,7 @@ def retraction_steps(lr: float) -> int:
     """Polishing steps that bring every singular value of (W - lr T) / u to within RETRACTION_TOL
     of 1, for W on the manifold, T tangent with ||T||_2^2 <= 4/3 and u = sqrt(1 + 4/3 lr^2), an
     upper bound of the spectral norm: the singular values start in [1/u, 1], and the polishing
-    quintic moves the lowest one most slowly (1 step at lr 1e-3, 2 at 0.1, 4 at 1, 5 at 2)."""
+    quintic moves the lowest one most slowly (1 step below lr 0.07, 2 below 0.45, 3 below 1.15)."""
     s = (1 + TANGENT_NORM_BOUND_SQ * lr**2) ** -0.5
     a, b, c = POLISH_NS_COEFFICIENTS
     steps = 0
@@ -218,6 +222,9 @@ class SGDW(Optimizer):
 # Matrix optimizers with an AdamW for the other parameters, in one object
 
 
+MatrixStep = tuple[Tensor, dict[str, Any], bool]  # a matrix, its group, whether it is its first step
+
+
 def _world(distributed: bool) -> tuple[int, int]:
     """(world_size, rank) when sharding applies, else (1, 0)."""
     if distributed and dist.is_available() and dist.is_initialized():
@@ -245,11 +252,13 @@ class _MatrixAndAdamW(Optimizer):
     {"params": emb, "kind": "adamw", "weight_decay": 0.1}, {"params": gains, "kind": "adamw"}].
 
     Sharding (when torch.distributed is initialized with world_size > 1 and `distributed`):
-    matrix parameters with a gradient are numbered in param-group order; matrix i is updated by
-    rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from that rank.
-    Every rank updates every momentum buffer itself (cheap, elementwise, identical gradients
-    after DDP's all-reduce), so rank 0's state is complete for checkpoints. The owner runs exactly
-    the single-process computation, so the result is bit-identical to not sharding.
+    matrix parameters with a gradient are numbered in param-group order and cut into batches
+    (`_batches`: one matrix each for Muon, equal-shaped ones stacked for ManifoldMuon); batch i is
+    updated by rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from
+    that rank. Every rank updates every momentum buffer itself (cheap, elementwise, identical
+    gradients after DDP's all-reduce), so rank 0's state is complete for checkpoints. The batches
+    do not depend on the world size and the owner runs exactly the single-process computation, so
+    the result is bit-identical to not sharding.
     """
 
     def __init__(
@@ -321,21 +330,32 @@ class _MatrixAndAdamW(Optimizer):
 
     def _matrix_steps(self, matrices: list[tuple[Tensor, dict[str, Any]]]) -> None:
         world_size, rank = _world(self.distributed)
-        pending = []
-        for i, (p, group) in enumerate(matrices):
+        steps = []
+        for p, group in matrices:
             state = self.state[p]
             first_step = not state
             if first_step:
                 self._init_state(p, state)
             state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])  # every rank
+            steps.append((p, group, first_step))
+        pending = []
+        for i, batch in enumerate(self._batches(steps)):
             owner = i % world_size
             if owner == rank:
-                self._update_matrix(p, state, group, first_step)
+                self._update_matrices(batch)
             if world_size > 1:
                 pending += [dist.broadcast(t, src=owner, async_op=True)
-                            for t in self._synced_tensors(p, state)]
+                            for p, _, _ in batch for t in self._synced_tensors(p, self.state[p])]
         for work in pending:
             work.wait()
+
+    def _batches(self, steps: list[MatrixStep]) -> list[list[MatrixStep]]:
+        """The matrices updated together, in a fixed order (the same on every rank)."""
+        return [[step] for step in steps]
+
+    def _update_matrices(self, batch: list[MatrixStep]) -> None:
+        for p, group, first_step in batch:
+            self._update_matrix(p, self.state[p], group, first_step)
 
     def _init_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -467,15 +487,15 @@ class ManifoldMuon(_MatrixAndAdamW):
       with the loss scale, batch size, clipping and k, and a dual step of 0.1 on a gradient of
       norm ~1e-2 makes Lambda, not G, set the direction. Rescaled, alpha is a fraction of G's
       typical singular value, and Lambda stays comparable across steps as the gradient shrinks.
-    - dual_init="bernstein": for square W, Lambda_0 makes A tangent exactly (G + 2 W Lambda_0 =
-      W skew(W^T G)); for tall W it is the least-squares start. With W frozen and a
+    - dual_init="bernstein": G + 2 W Lambda_0 = G - W sym(W^T G) is the tangent part of G (the
+      Riemannian gradient); for square W its msign is tangent, so A starts exact. With W frozen and a
       well-conditioned G the carried ascent drives ||H|| to ~0 (tests); between steps W and G
       move, so a carried Lambda lags (in toy runs at lr 0.1, ||H||_F / sqrt(k) ~1.2-1.5).
       dual_reset=True re-initializes Lambda at every step, as the offline solver does.
     - The tangent projection is this code's. A lagging Lambda leaves A far from tangent; W^T A
       can then have an eigenvalue near 1/lr, W - lr A is nearly singular at lr ~ 1, and its polar
       factor is ill-conditioned (measured: square matrices at lr 1 left the manifold, max|W^T W -
-      I| up to 0.3). The retraction removes the normal part sym(W^T A) anyway, to first order in
+      I| up to 0.5). The retraction removes the normal part sym(W^T A) anyway, to first order in
       lr; projecting it first makes every singular value of W - lr A >= 1 (`project_tangent`), so
       `retract` needs only a few polishing steps and W^T W = I holds to ~1e-6 at any lr.
     - The two direction msigns need not be exact (A is a descent direction; the projection and
@@ -531,6 +551,8 @@ class ManifoldMuon(_MatrixAndAdamW):
             if param_group[key] not in valid:
                 raise ValueError(f"{key} must be one of {valid}, got {param_group[key]!r}")
 
+    BATCH_SIZE = 16
+
     def _init_state(self, p, state):
         super()._init_state(p, state)
         k = min(p.shape)  # p's dtype: load_state_dict casts floating state to it anyway
@@ -539,14 +561,29 @@ class ManifoldMuon(_MatrixAndAdamW):
     def _synced_tensors(self, p, state):
         return [p, state["dual"]]
 
-    def _update_matrix(self, p, state, group, first_step):
-        d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
-                                group["nesterov"])
-        wide = p.size(0) < p.size(1)
-        W, G = (p.mT, d.mT) if wide else (p, d)
-        W, G = W.float(), G.float()
-        if group["gradient_scale"] == "unit_rms":
-            G = G * (W.size(1) ** 0.5 / G.norm().clamp(min=1e-30))  # singular values with RMS 1
+    def _batches(self, steps):
+        """Equal-shaped matrices of a group that are at the same step, stacked in batches of at
+        most BATCH_SIZE: one batched matmul instead of many small ones (a fixed size, so the
+        batches, and the bits, do not depend on the world size)."""
+        alike: dict[tuple, list[MatrixStep]] = {}
+        for step in steps:
+            p, group, first_step = step
+            alike.setdefault((id(group), p.shape, p.dtype, p.device, first_step), []).append(step)
+        return [same[i:i + self.BATCH_SIZE] for same in alike.values()
+                for i in range(0, len(same), self.BATCH_SIZE)]
+
+    def _update_matrices(self, batch):
+        _, group, first_step = batch[0]
+        params = [p for p, _, _ in batch]
+        states = [self.state[p] for p in params]
+        d = torch.stack([_momentum_direction(p.grad, s["momentum_buffer"], group["momentum"],
+                                             group["nesterov"])
+                         for p, s in zip(params, states, strict=True)])
+        W = torch.stack(params)
+        wide = W.size(-2) < W.size(-1)
+        W, G = (W.mT.float(), d.mT.float()) if wide else (W.float(), d.float())
+        if group["gradient_scale"] == "unit_rms":  # singular values with RMS 1
+            G = G * (W.size(-1) ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))
         steps, dtype = group["msign_steps"], DIRECTION_DTYPES[group["direction_dtype"]]
         with _ieee_float32_matmul():
             if first_step:
@@ -554,20 +591,22 @@ class ManifoldMuon(_MatrixAndAdamW):
             if first_step or group["dual_reset"]:
                 dual = initial_dual(W, G, group["dual_init"])
             else:
-                dual = state["dual"].float()
+                dual = torch.stack([s["dual"] for s in states]).float()
             for _ in range(group["dual_steps"]):
                 WtA = W.mT @ msign(G + 2 * W @ dual, steps, dtype)
                 dual = dual - group["dual_lr"] * (WtA + WtA.mT)  # H is symmetric exactly
             A = project_tangent(W, msign(G + 2 * W @ dual, steps, dtype))
             W = retract(W, A, group["lr"])
-        state["dual"].copy_(dual)
-        p.copy_(W.mT if wide else W)
+        for p, s, W_p, dual_p in zip(params, states, W, dual, strict=True):
+            s["dual"].copy_(dual_p)
+            p.copy_(W_p.mT if wide else W_p)
 
 
 def initial_dual(W: Tensor, G: Tensor, dual_init: str) -> Tensor:
-    """Lambda_0 for tall W and G: zero, or Bernstein's -1/4 (W^T G + G^T W) (symmetric exactly)."""
+    """Lambda_0 for tall W and G (or batches of them): zero, or Bernstein's -1/4 (W^T G + G^T W)
+    (symmetric exactly)."""
     if dual_init == "zero":
-        return W.new_zeros(W.size(1), W.size(1))
+        return W.new_zeros(W.shape[:-2] + (W.size(-1), W.size(-1)))
     WtG = W.mT @ G
     return -0.25 * (WtG + WtG.mT)
 
