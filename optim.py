@@ -488,19 +488,21 @@ class ManifoldMuon(_MatrixAndAdamW):
       norm ~1e-2 makes Lambda, not G, set the direction. Rescaled, alpha is a fraction of G's
       typical singular value, and Lambda stays comparable across steps as the gradient shrinks.
     - dual_init="bernstein": G + 2 W Lambda_0 = G - W sym(W^T G) is the tangent part of G (the
-      Riemannian gradient); for square W its msign is tangent, so A starts exact. With W frozen and a
-      well-conditioned G the carried ascent drives ||H|| to ~0 (tests); between steps W and G
-      move, so a carried Lambda lags (in toy runs at lr 0.1, ||H||_F / sqrt(k) ~1.2-1.5).
+      Riemannian gradient); for square W its msign is tangent, so the first A is. With W frozen
+      and a well-conditioned G the carried ascent drives ||H|| to ~0 (tests); between steps W
+      and G move, so a carried Lambda lags (in toy runs at lr 0.1, ||H||_F / sqrt(k) ~1.2-1.5).
       dual_reset=True re-initializes Lambda at every step, as the offline solver does.
     - The tangent projection is this code's. A lagging Lambda leaves A far from tangent; W^T A
       can then have an eigenvalue near 1/lr, W - lr A is nearly singular at lr ~ 1, and its polar
       factor is ill-conditioned (measured: square matrices at lr 1 left the manifold, max|W^T W -
-      I| up to 0.5). The retraction removes the normal part sym(W^T A) anyway, to first order in
-      lr; projecting it first makes every singular value of W - lr A >= 1 (`project_tangent`), so
-      `retract` needs only a few polishing steps and W^T W = I holds to ~1e-6 at any lr.
+      I| up to 0.5). The retraction removes the normal part W sym(W^T A) anyway, to first order
+      in lr, so the step changes at second order; projecting it first makes every singular value
+      of W - lr A >= 1 (`project_tangent`), so `retract` needs only a few polishing steps and
+      W^T W = I holds to ~1e-6 at any lr.
     - The two direction msigns need not be exact (A is a descent direction; the projection and
       the retraction keep W on the manifold), so they run in bfloat16 like Muon's Newton-Schulz
-      and the released code's msign; direction_dtype="float32" makes them exact.
+      and the released code's msign; direction_dtype="float32" makes them exact. Equal-shaped
+      matrices of a group are stacked and updated in batched matmuls (`_batches`).
     - No weight decay on matrices: msign(c W) = msign(W), so a shrink of W is undone by the
       retraction (Bir et al. Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
     - lr is used as is (no rows/cols scaling as in Muon): the retraction sets the scale.
@@ -562,26 +564,25 @@ class ManifoldMuon(_MatrixAndAdamW):
         return [p, state["dual"]]
 
     def _batches(self, steps):
-        """Equal-shaped matrices of a group that are at the same step, stacked in batches of at
-        most BATCH_SIZE: one batched matmul instead of many small ones (a fixed size, so the
-        batches, and the bits, do not depend on the world size)."""
+        """Matrices of a group with the same shape once made tall, at the same step, stacked in
+        batches of at most BATCH_SIZE: one batched matmul instead of many small ones (a fixed
+        size, so the batches, and the bits, do not depend on the world size)."""
         alike: dict[tuple, list[MatrixStep]] = {}
         for step in steps:
             p, group, first_step = step
-            alike.setdefault((id(group), p.shape, p.dtype, p.device, first_step), []).append(step)
+            key = (id(group), max(p.shape), min(p.shape), p.dtype, p.device, first_step)
+            alike.setdefault(key, []).append(step)
         return [same[i:i + self.BATCH_SIZE] for same in alike.values()
                 for i in range(0, len(same), self.BATCH_SIZE)]
 
     def _update_matrices(self, batch):
         _, group, first_step = batch[0]
-        params = [p for p, _, _ in batch]
-        states = [self.state[p] for p in params]
-        d = torch.stack([_momentum_direction(p.grad, s["momentum_buffer"], group["momentum"],
-                                             group["nesterov"])
-                         for p, s in zip(params, states, strict=True)])
-        W = torch.stack(params)
-        wide = W.size(-2) < W.size(-1)
-        W, G = (W.mT.float(), d.mT.float()) if wide else (W.float(), d.float())
+        params = [_tall(p) for p, _, _ in batch]  # views: writing them writes the parameters
+        states = [self.state[p] for p, _, _ in batch]
+        buf = torch.stack([_tall(s["momentum_buffer"]) for s in states]).float()
+        grad = torch.stack([_tall(p.grad) for p, _, _ in batch]).float()
+        G = _momentum_direction(grad, buf, group["momentum"], group["nesterov"])
+        W = torch.stack(params).float()
         if group["gradient_scale"] == "unit_rms":  # singular values with RMS 1
             G = G * (W.size(-1) ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))
         steps, dtype = group["msign_steps"], DIRECTION_DTYPES[group["direction_dtype"]]
@@ -593,13 +594,16 @@ class ManifoldMuon(_MatrixAndAdamW):
             else:
                 dual = torch.stack([s["dual"] for s in states]).float()
             for _ in range(group["dual_steps"]):
-                WtA = W.mT @ msign(G + 2 * W @ dual, steps, dtype)
+                WtA = W.mT @ msign(torch.baddbmm(G, W, dual, alpha=2), steps, dtype)
                 dual = dual - group["dual_lr"] * (WtA + WtA.mT)  # H is symmetric exactly
-            A = project_tangent(W, msign(G + 2 * W @ dual, steps, dtype))
+            A = project_tangent(W, msign(torch.baddbmm(G, W, dual, alpha=2), steps, dtype))
             W = retract(W, A, group["lr"])
-        for p, s, W_p, dual_p in zip(params, states, W, dual, strict=True):
-            s["dual"].copy_(dual_p)
-            p.copy_(W_p.mT if wide else W_p)
+        torch._foreach_copy_([s["dual"] for s in states], list(dual.unbind()))
+        torch._foreach_copy_(params, list(W.unbind()))
+
+
+def _tall(M: Tensor) -> Tensor:
+    return M.mT if M.size(0) < M.size(1) else M
 
 
 def initial_dual(W: Tensor, G: Tensor, dual_init: str) -> Tensor:
