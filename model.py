@@ -463,15 +463,23 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
 
 
 class GainLinear(nn.Linear):
-    """A linear map followed by a learnable diagonal gain clamped to [1e-3, cap] (Bir et al. §6.2)."""
+    """A linear map followed by a learnable diagonal gain kept in [1e-3, cap] (Bir et al. §6.2).
+
+    The gain is clamped in place after every optimizer step (`constrain_`, through
+    GPT.apply_parameter_constraints), as Bir et al.'s code clamps the parameter itself: a clamp
+    inside forward would give a gain above the cap zero gradient, and it would stay there."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, cap: float):
         super().__init__(in_features, out_features, bias=bias)
         self.cap = cap
-        self.gain = nn.Parameter(torch.ones(out_features))
+        self.gain = nn.Parameter(torch.full((out_features,), min(1.0, cap)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.gain.clamp(1e-3, self.cap)
+        return super().forward(x) * self.gain
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.gain.clamp_(1e-3, self.cap)
 
 
 def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:

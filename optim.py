@@ -20,8 +20,9 @@ gains, biases and scalars are "other" parameters; weight decay applies to >=2-D 
   §3.1, App. 8.1), AdamW for the other parameters.
 
 Two orthogonalizations live here. `zeropower_newton_schulz` is Muon's: 5 quintic steps in
-bfloat16 that only land singular values in a band around 1. `msign` is the accurate polar
-factor U V^T in float32 that Manifold Muon needs for its retraction.
+bfloat16 that only land singular values in a band around 1. `msign` is the polar factor U V^T,
+accurate in float32 (Manifold Muon's directions run it in bfloat16); `retract` is Manifold
+Muon's retraction, the polar factor of W - lr A for A tangent at W in a few polishing steps.
 
 `python optim.py` times one step of each optimizer on GPT-2-shaped parameters; see `main`.
 """
@@ -53,9 +54,11 @@ POLISH_STEPS = 3  # Muon's band [0.68, 1.13] to 1: error 0.32 -> 6e-2 -> 6e-4 ->
 
 
 def _quintic_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
-    """X <- a X + (b S + c S^2) X with S = X X^T: s <- a s + b s^3 + c s^5 on singular values."""
+    """X <- a X + (b S + c S^2) X with S = X X^T: s <- a s + b s^3 + c s^5 on singular values.
+    X is a matrix or a batch of them (b x m x n)."""
     gram = X @ X.mT
-    return torch.addmm(X, torch.addmm(gram, gram, gram, beta=b, alpha=c), X, beta=a)
+    fused = torch.addmm if X.ndim == 2 else torch.baddbmm
+    return fused(X, fused(gram, gram, gram, beta=b, alpha=c), X, beta=a)
 
 
 def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
@@ -84,8 +87,9 @@ def _ieee_float32_matmul() -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def msign(G: Tensor, steps: int = 10) -> Tensor:
-    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square), float32.
+def msign(G: Tensor, steps: int = 10, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Matrix sign / polar factor U V^T of G = U S V^T (tall, wide or square; or a batch of equal
+    shapes, b x m x n), returned in float32.
 
     After dividing by the Frobenius norm, `steps - 3` steps of Muon's quintic grow small
     singular values fast (x3.4 per step) into Muon's band, then 3 steps of the convergent quintic
@@ -94,19 +98,66 @@ def msign(G: Tensor, steps: int = 10) -> Tensor:
     (1e-5 * ||G||_F becomes 0.37, 1e-6 * ||G||_F becomes 0.04). The iteration acts on singular
     values only, so in exact arithmetic the error in direction i is |phi(s_i / ||G||_F) - 1| for
     the scalar map phi; float32 rounding adds about eps * ||G||_F / s_min (tests check both).
+    `dtype` is the precision of the iteration: bfloat16 is several times faster where its matmuls
+    are native (4x on a 2-core AVX-512 CPU at 256 x 1024) but brings singular values only to
+    within ~1e-2 of 1.
     """
-    if G.ndim != 2:
-        raise ValueError(f"msign expects a matrix, got shape {tuple(G.shape)}")
+    if G.ndim not in (2, 3):
+        raise ValueError(f"msign expects a matrix or a batch of them, got shape {tuple(G.shape)}")
     with _ieee_float32_matmul():
         X = G.float()
-        tall = X.size(0) > X.size(1)
+        tall = X.size(-2) > X.size(-1)
         if tall:
             X = X.mT
-        X = X / X.norm().clamp(min=1e-30)
+        X = (X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30)).to(dtype)
         for i in range(steps):
             polish = i >= steps - POLISH_STEPS
             X = _quintic_step(X, *(POLISH_NS_COEFFICIENTS if polish else MUON_NS_COEFFICIENTS))
+        X = X.float()
         return X.mT if tall else X
+
+
+# ----------------------------------------------------------------------------------------------
+# The Stiefel manifold W^T W = I (tall W): tangent projection and retraction
+
+# ||P_T(A)||_2^2 <= 4/3 for ||A||_2 <= 1: for a unit x, with M = W^T A,
+# ||P_T(A) x||^2 = ||Ax||^2 - ||Mx||^2 + ||skew(M) x||^2 <= 1 - t^2 + ((1 + t)/2)^2 <= 4/3 (t = ||Mx||).
+TANGENT_NORM_BOUND_SQ = 4 / 3
+RETRACTION_TOL = 1e-7  # singular values of the retraction within 1e-7 of 1 (float32 adds ~1e-6)
+MAX_RETRACTION_STEPS = 30
+
+
+def project_tangent(W: Tensor, A: Tensor) -> Tensor:
+    """A - W sym(W^T A): the part of A tangent to the Stiefel manifold at W (tall, W^T W = I).
+
+    For a tangent T, W^T T is skew, so (W - lr T)^T (W - lr T) = I + lr^2 T^T T: every singular
+    value of W - lr T is >= 1 at any lr, and the retraction is well conditioned."""
+    WtA = W.mT @ A
+    return A - W @ ((WtA + WtA.mT) / 2)
+
+
+def retraction_steps(lr: float) -> int:
+    """Polishing steps that bring every singular value of (W - lr T) / u to within RETRACTION_TOL
+    of 1, for W on the manifold, T tangent with ||T||_2^2 <= 4/3 and u = sqrt(1 + 4/3 lr^2), an
+    upper bound of the spectral norm: the singular values start in [1/u, 1], and the polishing
+    quintic moves the lowest one most slowly (1 step below lr 0.07, 2 below 0.45, 3 below 1.15)."""
+    s = (1 + TANGENT_NORM_BOUND_SQ * lr**2) ** -0.5
+    a, b, c = POLISH_NS_COEFFICIENTS
+    steps = 0
+    while steps == 0 or (1 - s > RETRACTION_TOL and steps < MAX_RETRACTION_STEPS):
+        s = a * s + b * s**3 + c * s**5
+        steps += 1
+    return steps
+
+
+def retract(W: Tensor, T: Tensor, lr: float) -> Tensor:
+    """msign(W - lr T) for tall W on the manifold and T tangent at W (see `project_tangent`),
+    float32: scaled by the bound 1/u of `retraction_steps`, then that many polishing steps (in
+    place of msign's Frobenius scaling and growth steps, which such a matrix does not need)."""
+    X = (W - lr * T).mT * (1 + TANGENT_NORM_BOUND_SQ * lr**2) ** -0.5  # wide: k x k Gram
+    for _ in range(retraction_steps(lr)):
+        X = _quintic_step(X, *POLISH_NS_COEFFICIENTS)
+    return X.mT
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +222,9 @@ class SGDW(Optimizer):
 # Matrix optimizers with an AdamW for the other parameters, in one object
 
 
+MatrixStep = tuple[Tensor, dict[str, Any], bool]  # a matrix, its group, whether it is its first step
+
+
 def _world(distributed: bool) -> tuple[int, int]:
     """(world_size, rank) when sharding applies, else (1, 0)."""
     if distributed and dist.is_available() and dist.is_initialized():
@@ -198,11 +252,13 @@ class _MatrixAndAdamW(Optimizer):
     {"params": emb, "kind": "adamw", "weight_decay": 0.1}, {"params": gains, "kind": "adamw"}].
 
     Sharding (when torch.distributed is initialized with world_size > 1 and `distributed`):
-    matrix parameters with a gradient are numbered in param-group order; matrix i is updated by
-    rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from that rank.
-    Every rank updates every momentum buffer itself (cheap, elementwise, identical gradients
-    after DDP's all-reduce), so rank 0's state is complete for checkpoints. The owner runs exactly
-    the single-process computation, so the result is bit-identical to not sharding.
+    matrix parameters with a gradient are numbered in param-group order and cut into batches
+    (`_batches`: one matrix each for Muon, equal-shaped ones stacked for ManifoldMuon); batch i is
+    updated by rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from
+    that rank. Every rank updates every momentum buffer itself (cheap, elementwise, identical
+    gradients after DDP's all-reduce), so rank 0's state is complete for checkpoints. The batches
+    do not depend on the world size and the owner runs exactly the single-process computation, so
+    the result is bit-identical to not sharding.
     """
 
     def __init__(
@@ -236,6 +292,13 @@ class _MatrixAndAdamW(Optimizer):
                              "put the others in an 'adamw' group (split_params does this)")
         if group["kind"] == "adamw" and not all(0 <= beta < 1 for beta in group["betas"]):
             raise ValueError(f"betas={tuple(group['betas'])} of an 'adamw' group must lie in [0, 1)")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        kind_defaults = getattr(self, "_kind_defaults", {})
+        for group in self.param_groups:  # a checkpoint from before an option existed: its default
+            for key, value in kind_defaults.get(group.get("kind"), {}).items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -274,21 +337,32 @@ class _MatrixAndAdamW(Optimizer):
 
     def _matrix_steps(self, matrices: list[tuple[Tensor, dict[str, Any]]]) -> None:
         world_size, rank = _world(self.distributed)
-        pending = []
-        for i, (p, group) in enumerate(matrices):
+        steps = []
+        for p, group in matrices:
             state = self.state[p]
             first_step = not state
             if first_step:
                 self._init_state(p, state)
             state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])  # every rank
+            steps.append((p, group, first_step))
+        pending = []
+        for i, batch in enumerate(self._batches(steps)):
             owner = i % world_size
             if owner == rank:
-                self._update_matrix(p, state, group, first_step)
+                self._update_matrices(batch)
             if world_size > 1:
                 pending += [dist.broadcast(t, src=owner, async_op=True)
-                            for t in self._synced_tensors(p, state)]
+                            for p, _, _ in batch for t in self._synced_tensors(p, self.state[p])]
         for work in pending:
             work.wait()
+
+    def _batches(self, steps: list[MatrixStep]) -> list[list[MatrixStep]]:
+        """The matrices updated together, in a fixed order (the same on every rank)."""
+        return [[step] for step in steps]
+
+    def _update_matrices(self, batch: list[MatrixStep]) -> None:
+        for p, group, first_step in batch:
+            self._update_matrix(p, self.state[p], group, first_step)
 
     def _init_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -373,40 +447,74 @@ class Muon(_MatrixAndAdamW):
         p.add_(update, alpha=-group["lr"] * _muon_lr_scale(p.shape, group["adjust_lr"]))
 
 
+DUAL_INITS = ("bernstein", "zero")
+GRADIENT_SCALES = ("unit_rms", "raw")
+DIRECTION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 class ManifoldMuon(_MatrixAndAdamW):
     """Manifold Muon with online dual ascent (Bir et al. §3.1, App. 8.1), AdamW for the
     other parameters, in one optimizer.
 
     Each matrix, made tall (n x k, n >= k) by transposing if it is wide, lives on the Stiefel
     manifold W^T W = I_k (a wide parameter has orthonormal rows). With G the momentum direction
-    (Muon's momentum, see `_momentum_direction`) rescaled to ||G||_F = sqrt(k), one step is
+    (see `_momentum_direction`), one step is
 
-        first step only: W <- msign(W);  Lambda <- -1/4 (W^T G + G^T W)
+        first step only:     W <- msign(W)                  (start on the manifold)
+        first step, or every step if dual_reset:  Lambda <- Lambda_0 (dual_init)
         repeat dual_steps:   A = msign(G + 2 W Lambda)      (Bir et al. §3.1, step 2)
                              H = W^T A + A^T W              (tangent-space violation)
                              Lambda <- Lambda - alpha H     (App. 8.1, "Lambda = Lambda - alpha H")
         A = msign(G + 2 W Lambda)
+        A <- A - W sym(W^T A)                               (tangent projection, see below)
         W <- msign(W - lr A)                                (§3.1 step 3: retraction)
 
     Lambda (symmetric k x k, state "dual") is kept across steps: that is what makes the dual
-    ascent online. The projection happens at a parameter's first step, not at construction, so
-    resuming from a checkpoint never re-projects. -alpha H is a step of gradient ascent on the
-    dual function -||G + 2 W Lambda||_* (its gradient in Lambda is -H).
+    ascent online. -alpha H is a step of gradient ascent on the dual function
+    -||G + 2 W Lambda||_* (its gradient in Lambda is -H). The projection onto the manifold happens
+    at a parameter's first step, not at construction, so resuming never re-projects.
 
-    Choices the paper leaves open, and why:
-    - G is rescaled so its singular values have RMS 1 (||G||_F = sqrt(k)). msign(G + 2 W Lambda)
-      is invariant to scaling G and Lambda together, but the dual step alpha H is not
-      (||H||_2 <= 2 whatever G's scale): with the raw gradient the useful alpha would move with
-      the loss scale, batch size, clipping and k. Rescaled, alpha is a fraction of G's typical
-      singular value, and Lambda stays comparable across steps as the gradient shrinks.
-    - alpha = dual_lr = 0.01, the dual step in Bir et al.'s released code (there annealed as
-      alpha (1 - j/J) over J = 50 inner steps, with Lambda re-initialized at every call; here
-      constant and carried). With W frozen and a well-conditioned G the residual ||H|| falls to
-      ~0 (tests); where G + 2 W Lambda has singular values small compared with alpha the ascent
-      can oscillate. Between steps W and G move, so a carried Lambda lags: in toy runs
-      (lr 0.1) ||H||_F / sqrt(k) stays ~1.2-1.5 (2 at most). dual_reset=True re-initializes
-      Lambda from the current W and G at every step, as that code does (for square W this
-      initialization is exact: A is tangent).
+    Options, with the source of each default and the choice of the optimizer Bir et al. train
+    with in their released code (its online step; the same file's offline `manifold_muon_step`,
+    adapted from Bernstein's Modular Manifolds solver, is not used in training):
+
+        option          default here                          released optimizer
+        momentum        0.95, buf <- mu buf + (1 - mu) g      0.95, the same buffer
+        nesterov        True (Keller Jordan's Muon)           False: the buffer itself
+        gradient_scale  "unit_rms" (this code's, below)       "raw": G as it comes
+        dual_init       "bernstein": -1/4 (W^T G + G^T W)     "zero"
+                        (Bernstein's offline solver)
+        dual_lr         0.01 (the offline solver's alpha,     0.1 (`mm_alpha`)
+                        there annealed over 50 inner steps)
+        dual_steps      1                                     1
+        direction msign bfloat16, msign_steps = 10            bfloat16 Polar Express, 10 steps
+        retraction      float32, W^T W = I to ~1e-6           bfloat16 Polar Express, 10 steps
+
+    So `ManifoldMuon(params, nesterov=False, gradient_scale="raw", dual_init="zero",
+    dual_lr=0.1)` is the released optimizer up to the precision of msign and the tangent
+    projection. Why the defaults differ:
+    - gradient_scale="unit_rms" rescales G so its singular values have RMS 1 (||G||_F = sqrt(k)).
+      msign(G + 2 W Lambda) is invariant to scaling G and Lambda together, but the dual step
+      alpha H is not (||H||_2 <= 2 whatever G's scale): on the raw gradient the useful alpha moves
+      with the loss scale, batch size, clipping and k, and a dual step of 0.1 on a gradient of
+      norm ~1e-2 makes Lambda, not G, set the direction. Rescaled, alpha is a fraction of G's
+      typical singular value, and Lambda stays comparable across steps as the gradient shrinks.
+    - dual_init="bernstein": G + 2 W Lambda_0 = G - W sym(W^T G) is the tangent part of G (the
+      Riemannian gradient); for square W its msign is tangent, so the first A is. With W frozen
+      and a well-conditioned G the carried ascent drives ||H|| to ~0 (tests); between steps W
+      and G move, so a carried Lambda lags (in toy runs at lr 0.1, ||H||_F / sqrt(k) ~1.2-1.5).
+      dual_reset=True re-initializes Lambda at every step, as the offline solver does.
+    - The tangent projection is this code's. A lagging Lambda leaves A far from tangent; W^T A
+      can then have an eigenvalue near 1/lr, W - lr A is nearly singular at lr ~ 1, and its polar
+      factor is ill-conditioned (measured: square matrices at lr 1 left the manifold, max|W^T W -
+      I| up to 0.5). The retraction removes the normal part W sym(W^T A) anyway, to first order
+      in lr, so the step changes at second order; projecting it first makes every singular value
+      of W - lr A >= 1 (`project_tangent`), so `retract` needs only a few polishing steps and
+      W^T W = I holds to ~1e-6 at any lr.
+    - The two direction msigns need not be exact (A is a descent direction; the projection and
+      the retraction keep W on the manifold), so they run in bfloat16 like Muon's Newton-Schulz
+      and the released code's msign; direction_dtype="float32" makes them exact. Equal-shaped
+      matrices of a group are stacked and updated in batched matmuls (`_batches`).
     - No weight decay on matrices: msign(c W) = msign(W), so a shrink of W is undone by the
       retraction (Bir et al. Table 2 lists it as N/A); weight_decay must be 0 for matrix groups.
     - lr is used as is (no rows/cols scaling as in Muon): the retraction sets the scale.
@@ -420,10 +528,13 @@ class ManifoldMuon(_MatrixAndAdamW):
         lr: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
+        gradient_scale: str = "unit_rms",
+        dual_init: str = "bernstein",
         dual_steps: int = 1,
         dual_lr: float = 0.01,
         dual_reset: bool = False,
         msign_steps: int = 10,
+        direction_dtype: str = "bfloat16",
         weight_decay: float = 0.0,
         adamw_params: Iterable[Any] | None = None,
         adamw_lr: float = 3e-4,
@@ -432,8 +543,10 @@ class ManifoldMuon(_MatrixAndAdamW):
         adamw_weight_decay: float = 0.0,
         distributed: bool = True,
     ) -> None:
-        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, dual_steps=dual_steps,
-                               dual_lr=dual_lr, dual_reset=dual_reset, msign_steps=msign_steps,
+        matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                               gradient_scale=gradient_scale, dual_init=dual_init,
+                               dual_steps=dual_steps, dual_lr=dual_lr, dual_reset=dual_reset,
+                               msign_steps=msign_steps, direction_dtype=direction_dtype,
                                weight_decay=weight_decay)
         adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                               weight_decay=adamw_weight_decay)
@@ -441,10 +554,18 @@ class ManifoldMuon(_MatrixAndAdamW):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        if group["kind"] == "matrix" and group["weight_decay"] != 0:
+        if group["kind"] != "matrix":
+            return
+        if group["weight_decay"] != 0:
             raise ValueError("ManifoldMuon matrices take no weight decay: the retraction "
                              "msign(W) undoes any shrink of W; set weight_decay=0 "
                              "(adamw_weight_decay still applies to the other parameters)")
+        for key, valid in (("gradient_scale", GRADIENT_SCALES), ("dual_init", DUAL_INITS),
+                           ("direction_dtype", tuple(DIRECTION_DTYPES))):
+            if group[key] not in valid:
+                raise ValueError(f"{key} must be one of {valid}, got {group[key]!r}")
+
+    BATCH_SIZE = 16
 
     def _init_state(self, p, state):
         super()._init_state(p, state)
@@ -454,30 +575,56 @@ class ManifoldMuon(_MatrixAndAdamW):
     def _synced_tensors(self, p, state):
         return [p, state["dual"]]
 
-    def _update_matrix(self, p, state, group, first_step):
-        d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
-                                group["nesterov"])
-        wide = p.size(0) < p.size(1)
-        W, G = (p.mT, d.mT) if wide else (p, d)
-        W, G = W.float(), G.float()
-        G = G * (W.size(1) ** 0.5 / G.norm().clamp(min=1e-30))  # singular values with RMS 1
-        steps = group["msign_steps"]
+    def _batches(self, steps):
+        """Matrices of a group with the same shape once made tall, at the same step, stacked in
+        batches of at most BATCH_SIZE: one batched matmul instead of many small ones (a fixed
+        size, so the batches, and the bits, do not depend on the world size)."""
+        alike: dict[tuple, list[MatrixStep]] = {}
+        for step in steps:
+            p, group, first_step = step
+            key = (id(group), max(p.shape), min(p.shape), p.dtype, p.device, first_step)
+            alike.setdefault(key, []).append(step)
+        return [same[i:i + self.BATCH_SIZE] for same in alike.values()
+                for i in range(0, len(same), self.BATCH_SIZE)]
+
+    def _update_matrices(self, batch):
+        _, group, first_step = batch[0]
+        params = [_tall(p) for p, _, _ in batch]  # views: writing them writes the parameters
+        states = [self.state[p] for p, _, _ in batch]
+        buf = torch.stack([_tall(s["momentum_buffer"]) for s in states]).float()
+        grad = torch.stack([_tall(p.grad) for p, _, _ in batch]).float()
+        G = _momentum_direction(grad, buf, group["momentum"], group["nesterov"])
+        W = torch.stack(params).float()
+        if group["gradient_scale"] == "unit_rms":  # singular values with RMS 1
+            G = G * (W.size(-1) ** 0.5 / G.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-30))
+        steps, dtype = group["msign_steps"], DIRECTION_DTYPES[group["direction_dtype"]]
         with _ieee_float32_matmul():
             if first_step:
-                W = msign(W, steps)  # start on the manifold (weights start orthogonal)
+                W = msign(W)  # start on the manifold (weights start orthogonal)
             if first_step or group["dual_reset"]:
-                WtG = W.mT @ G
-                dual = -0.25 * (WtG + WtG.mT)  # symmetric by construction
+                dual = initial_dual(W, G, group["dual_init"])
             else:
-                dual = state["dual"].float()
+                dual = torch.stack([s["dual"] for s in states]).float()
             for _ in range(group["dual_steps"]):
-                A = msign(G + 2 * W @ dual, steps)
-                WtA = W.mT @ A
+                WtA = W.mT @ msign(torch.baddbmm(G, W, dual, alpha=2), steps, dtype)
                 dual = dual - group["dual_lr"] * (WtA + WtA.mT)  # H is symmetric exactly
-            A = msign(G + 2 * W @ dual, steps)
-            W = msign(W - group["lr"] * A, steps)
-        state["dual"].copy_(dual)
-        p.copy_(W.mT if wide else W)
+            A = project_tangent(W, msign(torch.baddbmm(G, W, dual, alpha=2), steps, dtype))
+            W = retract(W, A, group["lr"])
+        torch._foreach_copy_([s["dual"] for s in states], list(dual.unbind()))
+        torch._foreach_copy_(params, list(W.unbind()))
+
+
+def _tall(M: Tensor) -> Tensor:
+    return M.mT if M.size(0) < M.size(1) else M
+
+
+def initial_dual(W: Tensor, G: Tensor, dual_init: str) -> Tensor:
+    """Lambda_0 for tall W and G (or batches of them): zero, or Bernstein's -1/4 (W^T G + G^T W)
+    (symmetric exactly)."""
+    if dual_init == "zero":
+        return W.new_zeros(W.shape[:-2] + (W.size(-1), W.size(-1)))
+    WtG = W.mT @ G
+    return -0.25 * (WtG + WtG.mT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,10 +677,14 @@ OPTIMIZER_OPTIONS: dict[str, Any] = dict(
     matrix_nesterov=True,  # muon / manifold_muon
     ns_steps=5,  # muon: Newton-Schulz steps
     adjust_lr="original",  # muon: "original" or "match_rms_adamw"
+    matrix_weight_decay=None,  # muon: decay of the matrices; None = weight_decay (manifold_muon: 0)
+    gradient_scale="unit_rms",  # manifold_muon: "unit_rms" (G's singular values RMS 1) or "raw"
+    dual_init="bernstein",  # manifold_muon: first dual, "bernstein" (-1/4 (W^T G + G^T W)) or "zero"
     dual_steps=1,  # manifold_muon: dual-ascent steps per update
-    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (G rescaled to RMS singular value 1)
+    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (the released code: 0.1 on raw G)
     dual_reset=False,  # manifold_muon: re-initialize the dual every step instead of carrying it
-    msign_steps=10,  # manifold_muon: iterations of msign
+    msign_steps=10,  # manifold_muon: iterations of the two direction msigns
+    direction_dtype="bfloat16",  # manifold_muon: precision of the direction msigns, or "float32"
     distributed=True,  # muon / manifold_muon: shard the matrices across ranks when possible
 )
 DEFAULT_MATRIX_LR = {"muon": 0.02, "manifold_muon": 0.1}
@@ -554,9 +705,9 @@ def build_optimizer(
     `lr`, `weight_decay` and `betas` are the AdamW-side settings: AdamW's (and SGDW's lr and
     weight decay) for "adamw"/"sgdw", the AdamW groups' for "muon"/"manifold_muon", whose
     matrices take `matrix_lr`. Groups: parameters >= 2-D with `weight_decay` and the rest without;
-    the Muons put the matrices in their own "matrix" group first. Muon decays matrices with
-    `weight_decay` too; Manifold Muon does not (the retraction undoes it). `options` are listed
-    with their defaults in OPTIMIZER_OPTIONS.
+    the Muons put the matrices in their own "matrix" group first, decayed by `matrix_weight_decay`:
+    for Muon None means `weight_decay`, for Manifold Muon 0 (the retraction undoes any decay, so
+    it rejects another value). `options` are listed with their defaults in OPTIMIZER_OPTIONS.
 
     Every param group gets "base_lr" = its initial lr, so a schedule sets
     group["lr"] = group["base_lr"] * multiplier for all groups.
@@ -582,16 +733,23 @@ def build_optimizer(
         optimizer = SGDW(groups, lr=lr, momentum=opt["momentum"], nesterov=opt["nesterov"])
     else:
         matrix_lr = DEFAULT_MATRIX_LR[name] if opt["matrix_lr"] is None else opt["matrix_lr"]
+        matrix_wd = opt["matrix_weight_decay"]
+        if matrix_wd is None:
+            matrix_wd = weight_decay if name == "muon" else 0.0
+        if matrix_wd < 0:
+            raise ValueError(f"matrix_weight_decay={matrix_wd} must not be negative")
         shared = dict(lr=matrix_lr, momentum=opt["matrix_momentum"],
-                      nesterov=opt["matrix_nesterov"], adamw_params=groups, adamw_lr=lr,
-                      adamw_betas=betas, adamw_eps=opt["eps"], distributed=opt["distributed"])
+                      nesterov=opt["matrix_nesterov"], weight_decay=matrix_wd,
+                      adamw_params=groups, adamw_lr=lr, adamw_betas=betas, adamw_eps=opt["eps"],
+                      distributed=opt["distributed"])
         if name == "muon":
-            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"], weight_decay=weight_decay,
+            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"],
                              adjust_lr=opt["adjust_lr"], **shared)
         else:
-            optimizer = ManifoldMuon(parts["matrix"], dual_steps=opt["dual_steps"],
-                                     dual_lr=opt["dual_lr"], dual_reset=opt["dual_reset"],
-                                     msign_steps=opt["msign_steps"], **shared)
+            manifold_options = ("gradient_scale", "dual_init", "dual_steps", "dual_lr",
+                                "dual_reset", "msign_steps", "direction_dtype")
+            optimizer = ManifoldMuon(parts["matrix"], **{k: opt[k] for k in manifold_options},
+                                     **shared)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
     return optimizer

@@ -59,6 +59,7 @@ class TrainConfig:
     nesterov: bool = False  # sgdw
     matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
     matrix_momentum: float = 0.95
+    matrix_weight_decay: float | None = None  # muon / manifold_muon: None = weight_decay (manifold_muon: 0)
     dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
     dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
     dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
@@ -109,6 +110,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "nesterov": (lambda t, m: t.optimizer == "sgdw", "optimizer sgdw"),
     "matrix_lr": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
     "matrix_momentum": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "matrix_weight_decay": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
     "ns_steps": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
     "adjust_lr": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
     "dual_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),

@@ -334,14 +334,26 @@ def test_lipschitz_activations_stay_bounded_while_plain_residual_grows():
     assert not math.isfinite(plain[-1]) or plain[-1] > 100 * plain[0]
 
 
-def test_diagonal_gain_is_clamped_to_its_cap():
-    model = GPT(lsq_config("lipschitz", gain_cap=5.0))
+@pytest.mark.usefixtures("one_thread")
+def test_diagonal_gain_is_clamped_after_each_step_and_keeps_its_gradient():
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="lipschitz", gain_cap=5.0))
     lin = model.blocks[0].mlp.sublayer.fc
-    lin.gain.data.fill_(100.0)
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(lin(x), 5.0 * (x @ lin.weight.T))
-    lin.gain.data.fill_(-1.0)
-    torch.testing.assert_close(lin(x), 1e-3 * (x @ lin.weight.T))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the clamp moves a gain
+
+    def train_step() -> None:  # as train.py: forward, backward, step, then the constraints
+        optimizer.zero_grad()
+        model(tokens(), tokens(seed=1))[1].backward()
+        optimizer.step()
+        model.apply_parameter_constraints()
+
+    with torch.no_grad():
+        lin.gain[0], lin.gain[1] = 100.0, -1.0  # pushed out of [1e-3, 5], e.g. by a large step
+    train_step()
+    assert lin.gain[0].item() == 5.0 and lin.gain[1].item() == pytest.approx(1e-3)
+    assert torch.all(lin.gain.grad != 0)  # the forward does not clamp: no gain is cut off
+    train_step()
+    assert torch.all(lin.gain.grad != 0)  # at the cap and below it, every gain still learns
 
 
 # ----------------------------------------------------------------------------- head-wise norm
