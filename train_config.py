@@ -60,6 +60,10 @@ class TrainConfig:
     matrix_lr: float | None = None  # muon / manifold_muon: lr of the hidden matrices; None: 0.02 / 0.1
     matrix_momentum: float = 0.95
     matrix_weight_decay: float | None = None  # muon / manifold_muon: None = weight_decay (manifold_muon: 0)
+    matrix_nesterov: bool = True  # muon / manifold_muon: Nesterov momentum (the released Manifold Muon: False)
+    gradient_scale: str = "unit_rms"  # manifold_muon: G rescaled to singular values of RMS 1, or "raw" (released code)
+    dual_init: str = "bernstein"  # manifold_muon: first dual -1/4 (W^T G + G^T W), or "zero" (released code)
+    direction_dtype: str = "bfloat16"  # manifold_muon: precision of the two direction msigns, or "float32"
     dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
     dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
     dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
@@ -111,6 +115,9 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "matrix_lr": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
     "matrix_momentum": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
     "matrix_weight_decay": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    "matrix_nesterov": (lambda t, m: t.optimizer in MATRIX_OPTIMIZERS, "optimizer muon or manifold_muon"),
+    **{key: (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon")
+       for key in ("gradient_scale", "dual_init", "direction_dtype")},
     "ns_steps": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
     "adjust_lr": (lambda t, m: t.optimizer == "muon", "optimizer muon"),
     "dual_steps": (lambda t, m: t.optimizer == "manifold_muon", "optimizer manifold_muon"),
@@ -235,7 +242,9 @@ def check_train_config(cfg: TrainConfig) -> None:
     choices = {"init_from": ("scratch", "resume"), "task": ("lm", "icl"),
                "optimizer": optim.OPTIMIZERS, "dtype": ("auto", "float32", "bfloat16", "float16"),
                "backend": ("auto", "nccl", "gloo"), "icl_order": ("random", "xy", "yx"),
-               "adjust_lr": ("original", "match_rms_adamw"), "lr_schedule": ("cosine", "wsd")}
+               "adjust_lr": ("original", "match_rms_adamw"), "lr_schedule": ("cosine", "wsd"),
+               "gradient_scale": optim.GRADIENT_SCALES, "dual_init": optim.DUAL_INITS,
+               "direction_dtype": tuple(optim.DIRECTION_DTYPES)}
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")

@@ -635,3 +635,14 @@ def test_distributed_sharding_is_identical_on_ranks_and_to_one_process(tmp_path)
         assert results.pop("world") == (world_size, rank)
         failed = [key for key, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
+
+
+def test_released_manifold_muon_settings_are_config_keys():
+    """The released code's choices are train.py keys, so a config can name them; bad values exit 2."""
+    import train
+
+    cfg, _ = train.load_config(["--optimizer=manifold_muon", "--weight_decay=0", "--matrix_nesterov=False",
+                                "--gradient_scale=raw", "--dual_init=zero", "--dual_lr=0.1"])
+    assert (cfg.matrix_nesterov, cfg.gradient_scale, cfg.dual_init) == (False, "raw", "zero")
+    with pytest.raises(train.ConfigError, match="dual_init"):
+        train.load_config(["--optimizer=manifold_muon", "--dual_init=bernsteen"])
