@@ -463,14 +463,17 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
     model = GPT(gptconf).to(device)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
-    optimizer = optim.build_optimizer(
-        model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-        betas=(cfg.beta1, cfg.beta2), device_type=device.split(":")[0], momentum=cfg.momentum,
-        nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
-        matrix_weight_decay=cfg.matrix_weight_decay, matrix_nesterov=cfg.matrix_nesterov,
-        gradient_scale=cfg.gradient_scale, dual_init=cfg.dual_init, direction_dtype=cfg.direction_dtype,
-        dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
-        msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
+    try:
+        optimizer = optim.build_optimizer(
+            model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            betas=(cfg.beta1, cfg.beta2), device_type=device.split(":")[0], momentum=cfg.momentum,
+            nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
+            matrix_weight_decay=cfg.matrix_weight_decay, matrix_nesterov=cfg.matrix_nesterov,
+            gradient_scale=cfg.gradient_scale, dual_init=cfg.dual_init, direction_dtype=cfg.direction_dtype,
+            dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
+            msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
+    except ValueError as e:  # an option the optimizer refuses (e.g. decay on Manifold Muon's matrices)
+        raise ConfigError(f"optimizer {cfg.optimizer}: {e}") from None
     if checkpoint is not None and not cfg.eval_only:  # evaluation needs no optimizer state
         settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(checkpoint["optimizer"])

@@ -67,7 +67,7 @@ class TrainConfig:
     dual_steps: int = 1  # manifold_muon: dual-ascent steps per update
     dual_lr: float = 0.01  # manifold_muon: dual-ascent step size
     dual_reset: bool = False  # manifold_muon: re-initialize the dual every step (not online)
-    msign_steps: int = 10  # manifold_muon: iterations of msign (the retraction's accuracy)
+    msign_steps: int = 10  # manifold_muon: iterations of the two direction msigns (the retraction polishes on its own)
     ns_steps: int = 5  # muon: Newton-Schulz steps
     adjust_lr: str = "original"  # muon: update scale, "original" or "match_rms_adamw"
     grad_clip: float = 1.0  # 0 disables

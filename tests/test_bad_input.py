@@ -187,3 +187,9 @@ def test_bad_sampling_options_exit_2_with_one_line(capsys, trained_run, option, 
     assert sample.main([f"--out_dir={trained_run}", "--max_new_tokens=2", "--device=cpu", option]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and re.search(message, out.err), out.err
+
+
+def test_an_option_the_optimizer_refuses_exits_2(monkeypatch, capsys, data_dir, tmp_path):
+    args = tiny_run_args(data_dir, str(tmp_path / "run"), optimizer="manifold_muon", matrix_weight_decay=0.1)
+    code, err = exit_code_and_error(monkeypatch, capsys, args)
+    assert code == 2 and "ManifoldMuon matrices take no weight decay" in err and err.count("\n") == 1, err
