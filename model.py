@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 
@@ -75,6 +76,7 @@ PRE_NORM_PLACES = ("attn+mlp", "attn", "mlp", "none")
 ATTN_SCALES = ("1/sqrt(d)", "1/d")
 INITS = ("gpt2", "xavier", "deepnorm", "orthogonal")
 GEONORM_DECAYS = ("harmonic", "sqrt", "linear", "none")
+GEONORM_RADII = ("embedding", "sqrt_d")
 
 
 @dataclass
@@ -102,9 +104,13 @@ class GPTConfig:
     attn_scale: str | None = None
     branch_scale: float | None = None
     init: str | None = None
-    # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
+    # GeoNorm (eq. 5): step-size decay over blocks, the angle clamp, learnable a and b (False fixes
+    # them at 1, 0), and the sphere the stream lives on ("embedding": each token's embedding norm;
+    # "sqrt_d": the embedding projected onto radius sqrt(n_embd)); see GeodesicStep
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
+    geonorm_affine: bool = True
+    geonorm_radius: str = "embedding"
     # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
     # clamped to [1e-3, gain_cap]; None disables it
     gain_cap: float | None = None
@@ -147,6 +153,7 @@ def check_config(c: GPTConfig) -> None:
     _check_choice("norm", c.norm, NORM_TYPES)
     _check_choice("dnt_setting", c.dnt_setting, tuple(DNT_SETTINGS))
     _check_choice("geonorm_decay", c.geonorm_decay, GEONORM_DECAYS)
+    _check_choice("geonorm_radius", c.geonorm_radius, GEONORM_RADII)
     _check_choice("mlp", c.mlp, ("gelu", "swiglu"))
     _check_choice("pos", c.pos, ("learned", "rope"))
     for key, choices in [("pre_norm", PRE_NORM_PLACES), ("combine", COMBINE_RULES),
@@ -170,6 +177,52 @@ def check_config(c: GPTConfig) -> None:
 # ----------------------------------------------------------------------------- norms
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, as one autograd node.
+
+    On a CPU torch's rms_norm is a chain of eager ops whose backward makes a dozen passes over x
+    and allocates as many tensors; this makes three passes forward and six backward, and the
+    backward allocates one tensor, its output. It runs in x's dtype with the weight cast to it, so
+    a bf16 input under autocast stays on bf16 kernels (torch's rms_norm falls back to a slower,
+    mixed-dtype path); the statistics accumulate in float32 and round once to x's dtype. `weight`
+    has x's last dim (one gain per channel) or its last two (HeadwiseRMSNorm: (n_head, head_dim)).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps)).to(x.dtype)
+        out = x * rstd
+        out.mul_(weight.to(x.dtype))
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        w = weight.to(x.dtype)
+        gx = grad * x  # summed over channels: <g w, x>; over tokens, scaled by rstd: the weight's gradient
+        with torch.autocast(x.device.type, enabled=False):
+            if w.dim() == 1:  # two matrix-vector products, no temporaries
+                dot = (gx @ w).unsqueeze(-1)
+                grad_weight = rstd.flatten() @ gx.flatten(0, -2)
+            else:
+                dot = torch.linalg.vecdot(gx, w).unsqueeze(-1)
+                grad_weight = (gx * rstd).reshape(-1, *w.shape).sum(0)
+        # dx = rstd g w - rstd^3 <g w, x> x / d, written over gx
+        grad_x = torch.mul(grad, w, out=gx).mul_(rstd).addcmul_(x, rstd.pow(3).mul_(dot).div_(-x.shape[-1]))
+        return grad_x, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return RMSNormFunction.apply(x, self.weight, eps)
+
+
 class HeadwiseRMSNorm(nn.Module):
     """The anisotropic, head-aligned LayerNorm proposed by the geometric account of LN/MHA/FFN, as we read it.
 
@@ -186,15 +239,14 @@ class HeadwiseRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = x.unflatten(-1, (self.n_head, -1))
-        normed = F.rms_norm(groups, groups.shape[-1:], eps=self.eps).flatten(-2)
-        return normed * self.weight
+        return RMSNormFunction.apply(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "layernorm":
         return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
     return HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
 
 
@@ -248,6 +300,97 @@ def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
     return 1.0
 
 
+class GeodesicTerms(NamedTuple):
+    """Per-token quantities of one geodesic step; every field but `v` has shape (..., 1)."""
+
+    x_norm: torch.Tensor  # ||x||
+    radius: torch.Tensor  # ||x|| clamped below at 1e-6
+    dot: torch.Tensor  # <x, s>
+    v: torch.Tensor  # the tangent component of s at x, shape (..., d)
+    v_norm_raw: torch.Tensor  # ||v||
+    v_norm: torch.Tensor  # ||v|| clamped below at 1e-8
+    ratio: torch.Tensor  # ||v|| / ||x||, the angle eq. 3 would take
+    scaled: torch.Tensor  # (a * min(ratio, c) + b) * decay, before the final clamp
+    theta: torch.Tensor  # the applied angle theta'
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> over the last dim, kept as size 1: a batched matrix-vector product (no a * b
+    temporary), in the inputs' dtype whatever autocast says."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
+
+
+def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   decay: float, clamp: float) -> GeodesicTerms:
+    """Tangent, its norm and the applied angle of GeoNorm eq. 5 (see `GeodesicStep`), in the wider
+    dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast)."""
+    x = x.to(torch.promote_types(x.dtype, s.dtype))
+    s_wide = s.to(x.dtype)
+    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    radius = x_norm.clamp_min(1e-6)
+    dot = row_dot(x, s_wide)
+    q = dot / radius.square()
+    # v = s - <x,s>/||x||^2 x, written over s_wide when that is already a copy of s
+    v = s_wide.addcmul_(x, -q) if s_wide is not s else torch.addcmul(s, x, -q)
+    v_norm_raw = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+    v_norm = v_norm_raw.clamp_min(1e-8)
+    ratio = v_norm / radius
+    scaled = torch.addcmul(b, a, ratio.clamp_max(clamp)).mul_(decay)
+    return GeodesicTerms(x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, scaled.clamp(-clamp, clamp))
+
+
+class GeodesicStepFunction(torch.autograd.Function):
+    """GeoNorm eq. 5 as one autograd node with a backward written by hand.
+
+    The eager chain of eq. 5 makes about forty passes over the stream forward and backward; this
+    makes seven forward (two norms, one dot product, the tangent, the output in two) and eight
+    backward (two dot products <g,x> and <g,v>, then each gradient as a combination of g, v and x
+    in three). It saves x, v and per-token scalars only.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                decay: float, clamp: float) -> torch.Tensor:
+        t = geodesic_terms(x, s, a, b, decay, clamp)
+        cos, sin = torch.cos(t.theta), torch.sin(t.theta)
+        step = t.radius * sin / t.v_norm  # x_new = cos(theta') x + step v
+        out = x * cos
+        out.addcmul_(t.v, step)
+        ctx.dtypes, ctx.decay, ctx.clamp = (x.dtype, s.dtype), decay, clamp
+        ctx.save_for_backward(x.to(out.dtype), a, cos, sin, step, *t)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, a, cos, sin, step, x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, theta = ctx.saved_tensors
+        decay, clamp = ctx.decay, ctx.clamp
+        grad = grad.to(x.dtype)
+        grad_x_dot, grad_v_dot = row_dot(grad, x), row_dot(grad, v)
+        # back through theta' = clamp((a min(ratio, c) + b) decay, -c, c) and ratio = ||v|| / ||x||
+        d_theta = (radius * cos / v_norm * grad_v_dot - sin * grad_x_dot) * (scaled.abs() <= clamp)
+        d_ratio = d_theta * decay * a * (ratio <= clamp)
+        d_v_norm = (d_ratio / radius - grad_v_dot * step / v_norm) * (v_norm_raw >= 1e-8)
+        d_radius = grad_v_dot * sin / v_norm - d_ratio * ratio / radius
+        v_coef = (d_v_norm / v_norm_raw).masked_fill(v_norm_raw == 0, 0)  # grad of ||v|| is v / ||v||
+        # back through v = s - q x with q = <x,s> / ||x||^2; <v, x> = <x,s> - q ||x||^2
+        q = dot / radius.square()
+        d_q = -(step * grad_x_dot + v_coef * (dot - q * x_norm.square()))
+        d_dot = d_q / radius.square()
+        d_radius = (d_radius - 2 * q * d_q / radius) * (x_norm >= 1e-6)
+        x_coef = (d_radius / x_norm).masked_fill(x_norm == 0, 0)
+        # ds = step g + v_coef v + d_dot x;  dx = cos g - q ds + d_dot s + x_coef x, with s = v + q x
+        grad_s = grad * step
+        grad_s.addcmul_(v, v_coef).addcmul_(x, d_dot)
+        grad_x = grad * (cos - q * step)
+        grad_x.addcmul_(v, d_dot - q * v_coef).addcmul_(x, d_dot * q + x_coef)
+        d_scaled = d_theta * decay
+        grad_a = (d_scaled * ratio.clamp_max(clamp)).sum().to(a.dtype) if ctx.needs_input_grad[2] else None
+        grad_b = d_scaled.sum().to(a.dtype) if ctx.needs_input_grad[3] else None
+        return grad_x.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_a, grad_b, None, None
+
+
 class GeodesicStep(nn.Module):
     """GeoNorm's residual update (eq. 5): move x along the sphere of radius ||x||
     in the direction of the sub-layer output s, by an angle that is clamped and decays with depth.
@@ -259,33 +402,52 @@ class GeodesicStep(nn.Module):
 
     The clamp bounds the step's length |theta'|; the listing's one-sided min(., c) is the same
     whenever a * theta + b >= -c, which holds at init and in every run we have seen.
+    `GeodesicStepFunction` computes it as one autograd node (the paper calls its cost negligible;
+    as a chain of eager ops it was the slowest part of a GeoNorm step on a CPU).
+
+    Where the sphere lies is left open by the paper: it calls the stream's constraint set "the
+    sphere defined by the normalization radius ||x_k||", and never says where the embedding starts.
+    Three readings, each an option (the first is the default only because it was this model's
+    behaviour before the others existed):
+
+    - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
+      stack. Follows "the token embeddings serve as the initial state" (§3.1): the initial state is
+      the embedding as it is: with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03.
+    - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
+      radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
+      layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
+      Post-Norm stream eq. 5 replaces sits on that sphere.
+    - `pre_norm="attn+mlp"`: the sub-layers see N(x) instead of x. Follows "Pre-Norm can be regarded
+      as a special case of GeoNorm" (§3.3), whose sub-layers take Norm(x) (App. B, eq. 8). The
+      angles are still measured against the stream's own radius: with the embedding's, the MLP's
+      update is already 1.4 ||x|| at init (CPU bench shape), past the clamp.
 
     The paper's App. D listing has bugs that this module does not copy: its "harmonic" branch
-    assigns to `theta_attn`, so the harmonic decay is never applied; `__init__` ignores its
-    `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an integer tensor,
-    which cannot require grad; the default method name is misspelled "harnomic"; and `math`
-    is not imported. `geonorm_decay="none"` reproduces what that listing actually computes.
+    assigns to `theta_attn`, so neither the decay nor `scale` and `bias` (a and b) are applied;
+    `__init__` ignores its `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an
+    integer tensor, which cannot require grad; the default method name is misspelled "harnomic";
+    and `math` is not imported. What the listing computes, theta' = min(||v|| / ||x||, pi/4), is
+    `geonorm_decay="none"` with `geonorm_affine=False` (a, b fixed at 1, 0); `geonorm_decay="none"`
+    alone still learns a and b.
     """
 
-    def __init__(self, decay: float, clamp: float):
+    def __init__(self, decay: float, clamp: float, affine: bool = True):
         super().__init__()
         self.decay, self.clamp = decay, clamp
-        self.a = nn.Parameter(torch.tensor(1.0))
-        self.b = nn.Parameter(torch.tensor(0.0))
+        if affine:
+            self.a = nn.Parameter(torch.tensor(1.0))
+            self.b = nn.Parameter(torch.tensor(0.0))
+        else:  # fixed at the identity map theta' = theta * decay
+            self.register_buffer("a", torch.tensor(1.0))
+            self.register_buffer("b", torch.tensor(0.0))
 
     def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
-        radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
-        dot = (x * s).sum(-1, keepdim=True)
-        v = torch.addcmul(s, x, -dot / radius.square())  # s - <x,s>/||x||^2 x, in one pass
-        v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
-        theta = (v_norm / radius).clamp_max(self.clamp)
-        theta = ((self.a * theta + self.b) * self.decay).clamp(-self.clamp, self.clamp)
-        return theta, radius, v, v_norm
+        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp)
+        return t.theta, t.radius, t.v, t.v_norm
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        theta, radius, v, v_norm = self.angle(x, s)
-        return torch.addcmul(torch.cos(theta) * x, v, radius * torch.sin(theta) / v_norm)
+        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"
@@ -295,7 +457,7 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
         decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return GeodesicStep(decay, config.geonorm_clamp)
+        return GeodesicStep(decay, config.geonorm_clamp, config.geonorm_affine)
     return ScaledAdd(*combine_coefficients(rule, j, config.n_layer))
 
 
@@ -342,8 +504,8 @@ class CausalSelfAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             make_linear(config, d, d) for _ in range(4))
         qk_norm = config.scheme.qk_norm  # DNT eq. 10: gamma * sqrt(d_h) * q / ||q||
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps) if qk_norm else nn.Identity()
         lipschitz_scale = config.scheme.attn_scale == "1/d"  # Bir et al. §4.3
         self.scale = 1.0 / self.head_dim if lipschitz_scale else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.dropout
@@ -437,6 +599,9 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, d) if config.pos == "learned" else None
         self.input_norm = maybe_norm(config, scheme.input_norm)
         self.drop = nn.Dropout(config.dropout)
+        # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (see GeodesicStep)
+        on_sqrt_d_sphere = scheme.combine == "geodesic" and config.geonorm_radius == "sqrt_d"
+        self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.final_norm = maybe_norm(config, scheme.final_norm)
         if config.vector_mode:
@@ -488,7 +653,10 @@ class GPT(nn.Module):
             if T > self.config.block_size:
                 raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        return self.drop(self.input_norm(x))
+        x = self.drop(self.input_norm(x))
+        if self.embed_radius is not None:  # a projection without parameters: every token at norm sqrt(d)
+            x = self.embed_radius * F.normalize(x, dim=-1)
+        return x
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
