@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import GPT, GeodesicStep, GeodesicStepFunction, GPTConfig, HeadwiseRMSNorm, RMSNorm, RMSNormFunction
+from autograd_ops import GeodesicStepFunction, RMSNormFunction
+from model import GPT, GeodesicStep, GPTConfig, HeadwiseRMSNorm, RMSNorm
 
 
 def eq5_autograd(x, s, a, b, decay: float, clamp: float) -> torch.Tensor:
