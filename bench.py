@@ -1,12 +1,17 @@
 """
 Benchmark training steps: tokens/s and MFU per normalization scheme and per optimizer, with
-every ratio taken against a baseline measured in the same run (machines are noisy; cases are
-interleaved round by round so a slow patch hits all of them alike).
+every ratio taken against a baseline measured in the same run. Machines are noisy: the cases are
+interleaved round by round (in a shuffled order), each ratio is the median over rounds of case / baseline within a round
+(a slow patch hits both alike), and beside it stand the quartiles of those per-round ratios and a
+95% confidence interval of their median. More rounds narrow the interval; a difference smaller
+than it was not measured.
 
     python bench.py                                  # CPU bench shape, all schemes and optimizers
     python bench.py --shape 124m --compile           # GPT-2 small on a GPU, bf16
     python bench.py --schemes pre,geonorm --optimizers none
     python bench.py --schemes dyt,derf,rezero --optimizers none   # DyT/Derf: in place of Pre-Norm's norms
+    python bench.py --schemes pre,geonorm --optimizers none --rounds 60
+    python bench.py --threads 1 --clock cpu          # on a machine shared with other jobs
     python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
 
 MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
@@ -21,6 +26,7 @@ import datetime
 import importlib.util
 import math
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -77,20 +83,73 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(cases: dict[str, Callable[[], None]], device: str, steps: int, warmup: int) -> dict[str, float]:
-    """Median seconds per call of each case, measured round-robin."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_interleaved(cases: dict[str, Callable[[], None]], device: str, rounds: int, warmup: int,
+                     clock: str = "wall") -> dict[str, list[float]]:
+    """Seconds per call of each case in every round; within a round the cases run one after the
+    other, so a slow patch of a shared machine hits every case of that round alike, in an order
+    shuffled each round (seeded), so that no case always follows the same one. clock="cpu" counts
+    this process's CPU time, which other processes do not inflate."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
+    now, order = CLOCKS[clock], list(cases)
+    shuffle = random.Random(0).shuffle
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(steps):
-        for name, fn in cases.items():
+    for _ in range(rounds):
+        shuffle(order)
+        for name in order:
             sync(device)
-            t0 = time.perf_counter()
-            fn()
+            t0 = now()
+            cases[name]()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append(now() - t0)
+    return times
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the k-th smallest and k-th largest
+    value, with k the largest rank whose binomial(n, 1/2) tail stays below (1 - confidence) / 2.
+    With too few values for that confidence it is the whole range."""
+    xs, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while k < n // 2:
+        tail += math.comb(n, k) / 2**n  # P(Bin(n, 1/2) <= k)
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
+
+
+def ratio_spread(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Per case, from the ratios case / baseline of each round: their median, quartiles and the
+    median's 95% confidence interval. Taking the ratio within a round cancels what slowed the
+    whole round down."""
+    out = {}
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, times[baseline], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+        lo, hi = median_interval(ratios)
+        out[name] = {"ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3, "ratio_lo": lo, "ratio_hi": hi}
+    return out
+
+
+def process_time_peak_flops(dtype: torch.dtype) -> float:
+    """The CPU's matmul peak timed like `--clock cpu` steps, in process CPU time (as train.py's
+    device_peak_flops: 2048^2 matmuls, the best of a few; bf16 without native support counts as float32)."""
+    if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtype = torch.float32
+    a = torch.randn(2048, 2048, dtype=dtype)
+    a @ a
+    best = float("inf")
+    for _ in range(4):
+        t0 = time.process_time()
+        a @ a
+        best = min(best, time.process_time() - t0)
+    return 2 * 2048**3 / best
 
 
 def peak_memory(fn: Callable[[], None], device: str) -> float:
@@ -133,14 +192,16 @@ def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch,
     return make_step(runner, optimizer, batch, autocast)
 
 
-def report(title: str, rows: list[dict], baseline: str) -> None:
-    print(f"\n{title} (ratios against {baseline}, measured in this run)\n")
-    print("| case | ms/step | x baseline | tokens/s | MFU | peak GiB | opt. state MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+def report(title: str, rows: list[dict], baseline: str, rounds: int) -> None:
+    print(f"\n{title} (ratios against {baseline} in the same round, median over {rounds} rounds)\n")
+    print(f"| case | ms/step | x {baseline} | rounds' IQR | median's 95% CI | tokens/s | MFU | peak GiB "
+          "| opt. state MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"  # not measured on a CPU
-        print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.2f} | {r['tokens_per_s']:,.0f} "
-              f"| {100 * r['mfu']:.1f}% | {peak} | {r['state_bytes'] / 2**20:.1f} |")
+        print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} "
+              f"| {r['ratio_lo']:.3f}–{r['ratio_hi']:.3f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} "
+              f"| {r['state_bytes'] / 2**20:.1f} |")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -152,11 +213,17 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
-              device: str = "cpu", dtype: str = "auto", compile_model: bool = False, steps: int = 10,
-              warmup: int = 3, nanogpt: str | None = None) -> dict[str, list[dict]]:
+              device: str = "cpu", dtype: str = "auto", compile_model: bool = False, rounds: int = 20,
+              warmup: int = 3, nanogpt: str | None = None, threads: int | None = None,
+              clock: str = "wall") -> dict[str, list[dict]]:
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
-    seconds, ratio (to "pre" or "adamw", timed in the same rounds), tokens_per_s, mfu, peak_gib and
-    state_bytes. schemes / optimizers None means all; [] skips that table."""
+    seconds (median over rounds), ratio (median over rounds of the ratio to "pre" or "adamw" timed in
+    the same round), ratio_q1 and ratio_q3 (its quartiles over rounds), ratio_lo and ratio_hi (the
+    median's 95% confidence interval), tokens_per_s, mfu, peak_gib and state_bytes. schemes /
+    optimizers None means all; [] skips that table. threads sets torch's CPU threads; clock is
+    "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     schemes = list(SCHEME_CASES) if schemes is None else schemes
     optimizers = list(optim.OPTIMIZERS) if optimizers is None else optimizers
     dtype = resolve_dtype(dtype, device)
@@ -167,17 +234,23 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     g = torch.Generator().manual_seed(0)
     batch = tuple(torch.randint(0, vocab, (batch_size, block_size), generator=g).to(device) for _ in range(2))
     tokens = batch_size * block_size
-    peak = device_peak_flops(device, torch_dtype)
+    peak = process_time_peak_flops(torch_dtype) if clock == "cpu" else device_peak_flops(device, torch_dtype)
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or platform.machine()
     print(f"nanoNorm bench, {datetime.date.today()}: {name}, torch {torch.__version__}, {dtype}, "
-          f"compile={compile_model}, shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), "
-          f"peak {peak / 1e12:.3g} TFLOP/s", flush=True)
+          f"compile={compile_model}, {rounds} rounds, {torch.get_num_threads()} threads, {clock} clock, "
+          f"shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), peak {peak / 1e12:.3g} TFLOP/s",
+          flush=True)
 
     def measure(cases: dict, flops: dict, states: dict, baseline: str) -> list[dict]:
-        seconds = time_interleaved(cases, device, steps, warmup)
-        return [{"name": k, "seconds": s, "ratio": s / seconds[baseline], "tokens_per_s": tokens / s,
-                 "mfu": flops[k] * tokens / s / peak, "peak_gib": peak_memory(cases[k], device),
-                 "state_bytes": states.get(k, 0)} for k, s in seconds.items()]
+        times = time_interleaved(cases, device, rounds, warmup, clock)
+        spread = ratio_spread(times, baseline)
+        rows = []
+        for k, ts in times.items():
+            s = statistics.median(ts)
+            rows.append({"name": k, "seconds": s, **spread[k], "tokens_per_s": tokens / s,
+                         "mfu": flops[k] * tokens / s / peak, "peak_gib": peak_memory(cases[k], device),
+                         "state_bytes": states.get(k, 0)})
+        return rows
 
     def build_all(variants: dict[str, tuple[GPTConfig, str]]) -> tuple[dict, dict, dict]:
         cases, flops, states = {}, {}, {}
@@ -195,11 +268,11 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
             cases["nanoGPT (pre)"] = nanogpt_case(nanogpt, shape, device, compile_model, batch, autocast)
             flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
         tables["schemes"] = measure(cases, flops, states, "pre")
-        report("Schemes, AdamW step", tables["schemes"], "pre")
+        report("Schemes, AdamW step", tables["schemes"], "pre", rounds)
     if optimizers:
         variants = {name: (model_config(shape), name) for name in dict.fromkeys(["adamw", *optimizers])}
         tables["optimizers"] = measure(*build_all(variants), "adamw")
-        report("Optimizers, Pre-Norm step", tables["optimizers"], "adamw")
+        report("Optimizers, Pre-Norm step", tables["optimizers"], "adamw", rounds)
     return tables
 
 
@@ -218,15 +291,22 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=20,
+                   help="timed steps per case; more rounds narrow the median's confidence interval")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nanogpt", help="path to karpathy/nanoGPT's model.py, timed beside Pre-Norm")
+    p.add_argument("--threads", type=int, help="torch's CPU threads (default: one per core)")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="wall time, or this process's CPU time (other processes on a shared machine do not "
+                        "inflate it; use with --threads 1, since idle threads spin)")
     args = p.parse_args()
     unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
     if unknown:
         p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
+    if args.clock == "cpu" and not args.device.startswith("cpu"):
+        p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
     run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
-              args.steps, args.warmup, args.nanogpt)
+              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from autograd_ops import GeodesicStepFunction, RMSNormFunction, geodesic_terms
+
 
 class Scheme(NamedTuple):
     """The primitives one residual scheme is made of (every field is overridable per config)."""
@@ -113,6 +115,7 @@ PRE_NORM_SCALES = ("1", "1/sqrt(l)")
 POST_NORM_PLACES = ("attn+mlp", "attn")
 FIRST_BLOCKS = ("same", "post", "pre")
 GEONORM_DECAYS = ("harmonic", "sqrt", "linear", "none")
+GEONORM_RADII = ("embedding", "sqrt_d")
 
 
 @dataclass
@@ -159,8 +162,13 @@ class GPTConfig:
     hypersphere: bool | None = None
     tie_head: bool | None = None
     # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
+    # GeoNorm (eq. 5): step-size decay over blocks, the angle clamp, learnable a and b (False fixes
+    # them at 1, 0), and the sphere the stream lives on ("embedding": each token's embedding norm;
+    # "sqrt_d": the embedding projected onto radius sqrt(n_embd)); see GeodesicStep
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
+    geonorm_affine: bool = True
+    geonorm_radius: str = "embedding"
     # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
     # clamped to [1e-3, gain_cap]; None disables it
     gain_cap: float | None = None
@@ -206,6 +214,7 @@ def check_config(c: GPTConfig) -> None:
     _check_choice("norm", c.norm, NORM_TYPES)
     _check_choice("dnt_setting", c.dnt_setting, tuple(DNT_SETTINGS))
     _check_choice("geonorm_decay", c.geonorm_decay, GEONORM_DECAYS)
+    _check_choice("geonorm_radius", c.geonorm_radius, GEONORM_RADII)
     _check_choice("mlp", c.mlp, ("gelu", "swiglu"))
     _check_choice("pos", c.pos, ("learned", "rope"))
     _check_choice("rezero_gate", c.rezero_gate, ("update", "block"))
@@ -247,6 +256,14 @@ def check_config(c: GPTConfig) -> None:
 # ----------------------------------------------------------------------------- norms
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return RMSNormFunction.apply(x, self.weight, eps)
+
+
 class HeadwiseRMSNorm(nn.Module):
     """The anisotropic, head-aligned LayerNorm proposed by the geometric account of LN/MHA/FFN, as we read it.
 
@@ -263,8 +280,7 @@ class HeadwiseRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = x.unflatten(-1, (self.n_head, -1))
-        normed = F.rms_norm(groups, groups.shape[-1:], eps=self.eps).flatten(-2)
-        return normed * self.weight
+        return RMSNormFunction.apply(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
 
 
 class DynamicTanh(nn.Module):
@@ -305,7 +321,7 @@ def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
     if config.norm == "layernorm":
         return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        return RMSNorm(config.n_embd, eps=config.norm_eps)
     if config.norm in ELEMENTWISE_NORMS:
         alpha = config.norm_alpha_init if alpha_init is None else alpha_init
         return {"dyt": DynamicTanh, "derf": DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
@@ -362,7 +378,7 @@ class ScaledAdd(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.alpha == 1.0 and self.beta == 1.0:
             return x + y
-        return self.alpha * x + self.beta * y
+        return torch.add(x * self.alpha, y, alpha=self.beta)  # two passes over the stream, not three
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
@@ -415,33 +431,52 @@ class GeodesicStep(nn.Module):
 
     The clamp bounds the step's length |theta'|; the listing's one-sided min(., c) is the same
     whenever a * theta + b >= -c, which holds at init and in every run we have seen.
+    `GeodesicStepFunction` computes it as one autograd node (the paper calls its cost negligible;
+    as a chain of eager ops it was the slowest part of a GeoNorm step on a CPU).
+
+    Where the sphere lies is left open by the paper: it calls the stream's constraint set "the
+    sphere defined by the normalization radius ||x_k||", and never says where the embedding starts.
+    Three readings, each an option (the first is the default only because it was this model's
+    behaviour before the others existed):
+
+    - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
+      stack. Follows "the token embeddings serve as the initial state" (§3.1): the initial state is
+      the embedding as it is: with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03.
+    - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
+      radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
+      layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
+      Post-Norm stream eq. 5 replaces sits on that sphere.
+    - `pre_norm="attn+mlp"`: the sub-layers see N(x) instead of x. Follows "Pre-Norm can be regarded
+      as a special case of GeoNorm" (§3.3), whose sub-layers take Norm(x) (App. B, eq. 8). The
+      angles are still measured against the stream's own radius: with the embedding's, the MLP's
+      update is already 1.4 ||x|| at init (CPU bench shape), past the clamp.
 
     The paper's App. D listing has bugs that this module does not copy: its "harmonic" branch
-    assigns to `theta_attn`, so the harmonic decay is never applied; `__init__` ignores its
-    `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an integer tensor,
-    which cannot require grad; the default method name is misspelled "harnomic"; and `math`
-    is not imported. `geonorm_decay="none"` reproduces what that listing actually computes.
+    assigns to `theta_attn`, so neither the decay nor `scale` and `bias` (a and b) are applied;
+    `__init__` ignores its `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an
+    integer tensor, which cannot require grad; the default method name is misspelled "harnomic";
+    and `math` is not imported. What the listing computes, theta' = min(||v|| / ||x||, pi/4), is
+    `geonorm_decay="none"` with `geonorm_affine=False` (a, b fixed at 1, 0); `geonorm_decay="none"`
+    alone still learns a and b.
     """
 
-    def __init__(self, decay: float, clamp: float):
+    def __init__(self, decay: float, clamp: float, affine: bool = True):
         super().__init__()
         self.decay, self.clamp = decay, clamp
-        self.a = nn.Parameter(torch.tensor(1.0))
-        self.b = nn.Parameter(torch.tensor(0.0))
+        if affine:
+            self.a = nn.Parameter(torch.tensor(1.0))
+            self.b = nn.Parameter(torch.tensor(0.0))
+        else:  # fixed at the identity map theta' = theta * decay
+            self.register_buffer("a", torch.tensor(1.0))
+            self.register_buffer("b", torch.tensor(0.0))
 
     def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
-        radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
-        dot = (x * s).sum(-1, keepdim=True)
-        v = torch.addcmul(s, x, -dot / radius.square())  # s - <x,s>/||x||^2 x, in one pass
-        v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
-        theta = (v_norm / radius).clamp_max(self.clamp)
-        theta = ((self.a * theta + self.b) * self.decay).clamp(-self.clamp, self.clamp)
-        return theta, radius, v, v_norm
+        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp)
+        return t.theta, t.radius, t.v, t.v_norm
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        theta, radius, v, v_norm = self.angle(x, s)
-        return torch.addcmul(torch.cos(theta) * x, v, radius * torch.sin(theta) / v_norm)
+        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"
@@ -451,7 +486,7 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
         decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return GeodesicStep(decay, config.geonorm_clamp)
+        return GeodesicStep(decay, config.geonorm_clamp, config.geonorm_affine)
     if rule == "rezero":
         return ReZeroAdd()
     if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)
@@ -513,7 +548,10 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     if not wanted:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
-    norm = nn.RMSNorm((config.n_head, head_dim) if scheme.qk_norm_span == "all" else head_dim, eps=config.norm_eps)
+    if scheme.qk_norm_span == "all":  # over both dims: torch's norm; per head: the fused node
+        norm = nn.RMSNorm((config.n_head, head_dim), eps=config.norm_eps)
+    else:
+        norm = RMSNorm(head_dim, eps=config.norm_eps)
     return norm if scheme.norm_affine else without_parameters(norm)
 
 
@@ -812,6 +850,9 @@ class GPT(nn.Module):
         self.embed_scale = ScalarGain(math.sqrt(d)) if embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.input_norm)
         self.drop = nn.Dropout(config.dropout)
+        # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (see GeodesicStep)
+        on_sqrt_d_sphere = scheme.combine == "geodesic" and config.geonorm_radius == "sqrt_d"
+        self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.final_norm = maybe_norm(config, scheme.final_norm, norm_alpha_init(config, "final"))
         if config.vector_mode:
@@ -870,7 +911,10 @@ class GPT(nn.Module):
             if T > self.config.block_size:
                 raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        return self.drop(self.input_norm(self.embed_scale(x)))
+        x = self.drop(self.input_norm(self.embed_scale(x)))
+        if self.embed_radius is not None:  # a projection without parameters: every token at norm sqrt(d)
+            x = self.embed_radius * F.normalize(x, dim=-1)
+        return x
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

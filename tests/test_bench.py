@@ -1,4 +1,5 @@
-"""bench.py at a tiny shape: every table row is measured, ratios are taken against the right baseline."""
+"""bench.py at a tiny shape: every table row is measured, ratios are taken against the right baseline,
+and each ratio comes with the spread of its rounds."""
 
 import math
 
@@ -11,16 +12,17 @@ from model import SCHEMES
 @pytest.fixture(scope="module")
 def tables():
     return bench.run_bench("tiny", schemes=["geonorm", "dnt"], optimizers=["sgdw", "muon"], dtype="float32",
-                           steps=1, warmup=0)
+                           rounds=3, warmup=0)
 
 
 def test_bench_times_every_requested_scheme_against_pre(tables):
     rows = {r["name"]: r for r in tables["schemes"]}
     assert list(rows) == ["pre", "geonorm", "dnt"]
-    assert rows["pre"]["ratio"] == 1.0
+    assert rows["pre"]["ratio"] == rows["pre"]["ratio_q1"] == rows["pre"]["ratio_q3"] == 1.0
     for r in rows.values():
         assert r["seconds"] > 0 and r["tokens_per_s"] > 0
         assert math.isfinite(r["mfu"]) and 0 < r["mfu"] < 1  # a measured CPU peak bounds a real step
+        assert r["ratio_lo"] <= r["ratio_q1"] <= r["ratio"] <= r["ratio_q3"] <= r["ratio_hi"]
 
 
 def test_bench_reports_optimizer_state_relative_to_adamw(tables):
@@ -38,3 +40,18 @@ def test_bench_lists_every_scheme_and_dyt_and_derf_in_pre_norm():
     dyt = bench.model_config("tiny", **bench.scheme_case("dyt"))
     assert (dyt.norm_scheme, dyt.norm) == ("pre", "dyt")
     assert bench.model_config("tiny", **bench.scheme_case("hybrid")).norm_scheme == "hybrid"
+
+
+def test_ratio_within_a_round_cancels_a_slow_round():
+    # the machine slows every case of rounds 2 and 4 threefold; the case is always 10% slower than pre
+    pre = [1.0, 3.0, 1.0, 3.0, 1.0]
+    times = {"pre": pre, "case": [1.1 * t for t in pre]}
+    spread = bench.ratio_spread(times, "pre")["case"]
+    for key in ("ratio", "ratio_q1", "ratio_q3", "ratio_lo", "ratio_hi"):
+        assert spread[key] == pytest.approx(1.1)
+
+
+def test_median_interval_uses_binomial_order_statistics():
+    values = list(range(1, 21))  # n = 20: P(Bin(20, 1/2) <= 5) = 0.021 <= 0.025 < P(<= 6) = 0.058
+    assert bench.median_interval(values) == (6, 15)
+    assert bench.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few values for 95%: the range

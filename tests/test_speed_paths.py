@@ -1,0 +1,222 @@
+"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm) against the formulas they replace,
+and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from autograd_ops import GeodesicStepFunction, RMSNormFunction
+from model import GPT, GeodesicStep, GPTConfig, HeadwiseRMSNorm, RMSNorm
+
+
+def eq5_autograd(x, s, a, b, decay: float, clamp: float) -> torch.Tensor:
+    """GeoNorm eq. 5 as a chain of eager ops, differentiated by autograd (the step before it was fused)."""
+    radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
+    dot = (x * s).sum(-1, keepdim=True)
+    v = torch.addcmul(s, x, -dot / radius.square())
+    v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
+    theta = (v_norm / radius).clamp_max(clamp)
+    theta = ((a * theta + b) * decay).clamp(-clamp, clamp)
+    return torch.addcmul(torch.cos(theta) * x, v, radius * torch.sin(theta) / v_norm)
+
+
+def step_inputs(dtype=torch.float64, shape=(2, 6, 16), seed=0, parallel_token=False):
+    """x, s with small angles and the clamp saturated (s much longer than x) in one batch; optionally a token
+    with s parallel to x (zero tangent up to rounding, where the 1e-8 guard acts)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=dtype)
+    s = torch.randn(shape, generator=g, dtype=dtype) * torch.linspace(0.05, 5.0, shape[1], dtype=dtype)[:, None]
+    if parallel_token:
+        s[0, 0] = 3 * x[0, 0]
+    return x, s
+
+
+@pytest.mark.parametrize("a, b, decay, clamp", [(1.0, 0.0, 1.0, math.pi / 4), (0.7, 0.05, 0.5, math.pi / 4),
+                                                (1.3, -0.4, 1 / 3, math.pi / 8), (-2.0, 0.1, 1.0, math.pi / 2)])
+def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp):
+    x, s = step_inputs()
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for fn in (GeodesicStepFunction.apply, eq5_autograd):
+        xs = [x.clone().requires_grad_(), s.clone().requires_grad_(),
+              torch.tensor(a, dtype=torch.float64, requires_grad=True),
+              torch.tensor(b, dtype=torch.float64, requires_grad=True)]
+        out = fn(*xs, decay, clamp)
+        out.backward(grad_out)
+        results.append([out.detach()] + [t.grad for t in xs])
+    # float64, same formula, different summation order: 1e-12 relative leaves room for ~1e-15 rounding
+    for name, fused, reference in zip(("out", "dx", "ds", "da", "db"), *results, strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_geodesic_step_guards_a_zero_tangent_like_eq5():
+    """s parallel to x: the tangent is rounding noise, ||v|| is clamped to 1e-8 and the step leaves x
+    where it is (the gradient there is noise over 1e-8, so only the forward is compared)."""
+    x, s = step_inputs(parallel_token=True)
+    a, b = torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+    out = GeodesicStepFunction.apply(x, s, a, b, 1.0, math.pi / 4)
+    torch.testing.assert_close(out, eq5_autograd(x, s, a, b, 1.0, math.pi / 4), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0, 0], x[0, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_geodesic_step_passes_gradcheck():
+    x, s = step_inputs(shape=(1, 5, 8))
+    a = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    inputs = (x.requires_grad_(), s.requires_grad_(), a, b)
+    assert torch.autograd.gradcheck(lambda *t: GeodesicStepFunction.apply(*t, 0.5, math.pi / 4), inputs)
+
+
+def test_geodesic_step_float32_forward_equals_todays_formula():
+    x, s = step_inputs(torch.float32, shape=(4, 64, 256))
+    a, b = torch.tensor(0.9), torch.tensor(0.02)
+    fused = GeodesicStepFunction.apply(x, s, a, b, 0.5, math.pi / 4)
+    # float32, sums taken in another order: a few ulps of the output's scale
+    torch.testing.assert_close(fused, eq5_autograd(x, s, a, b, 0.5, math.pi / 4), rtol=2e-6, atol=2e-6)
+
+
+def test_geodesic_step_takes_bf16_sublayer_outputs_under_autocast():
+    x, s = step_inputs(torch.float32, shape=(2, 8, 64))
+    s = s.bfloat16()
+    step = GeodesicStep(decay=0.5, clamp=math.pi / 4)
+    xr, sr = x.clone().requires_grad_(), s.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = step(xr, sr)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and xr.grad.dtype == torch.float32 and sr.grad.dtype == torch.bfloat16
+    # the bf16 output is widened exactly, so the step is the float32 step on s.float() (float32 rounding)
+    torch.testing.assert_close(out, eq5_autograd(x, s.float(), step.a, step.b, 0.5, math.pi / 4),
+                               rtol=2e-6, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("weight_shape", [(16,), (4, 16)])  # per channel; per head slice (HeadwiseRMSNorm)
+def test_rms_norm_function_passes_gradcheck(weight_shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (1 + 0.3 * torch.randn(weight_shape, generator=g, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-5), (x, w))
+    torch.testing.assert_close(RMSNormFunction.apply(x, w, 1e-5), rms_reference(x, w, 1e-5), rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_matches_torch_rmsnorm_in_float32():
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(64, eps=1e-5), nn.RMSNorm(64, eps=1e-5)
+    nn.init.normal_(theirs.weight, 1.0, 0.2)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(8, 32, 4, 64)
+    outs = []
+    for norm in (ours, theirs):
+        xr = x.clone().requires_grad_()
+        y = norm(xr)
+        (y * torch.linspace(-1, 1, 64)).sum().backward()
+        outs.append((y.detach(), xr.grad, norm.weight.grad))
+    # float32 with a different summation order: 1e-5 relative; the weight's gradient sums 1024 terms of
+    # either sign (their absolute values add to ~800), which reordering moves by up to ~1e-4
+    for fused, reference, atol in zip(*outs, (1e-5, 1e-5, 1e-4), strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=atol)
+
+
+def test_rms_norm_stays_on_bf16_kernels_under_autocast():
+    """A bf16 input meets the float32 gain inside the node: no mixed-dtype fallback warning, a bf16
+    output, and values within bf16 rounding of the float64 formula."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5)
+    nn.init.normal_(norm.weight, 1.0, 0.2)
+    x = torch.randn(8, 32, 4, 64).bfloat16().requires_grad_()
+    upstream = torch.randn(8, 32, 4, 64).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's rms_norm warns "Mismatch dtype between input and weight"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+        y.backward(upstream)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
+    x64, w64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    y64 = rms_reference(x64, w64, 1e-5)
+    y64.backward(upstream.double())
+    # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4%): the norm, rstd and the product each round
+    # once, and the input gradient's two terms partly cancel, so allow 4 steps of the tensor's scale
+    for ours, exact in ((y, y64), (x.grad, x64.grad), (norm.weight.grad, w64.grad)):
+        scale = exact.abs().max().item()
+        assert (ours.double() - exact).abs().max().item() < 4 * 2**-8 * scale
+
+
+def test_qk_norm_and_headwise_norm_use_the_fused_node():
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, norm_scheme="dnt",
+                          norm="headwise"))
+    attn = model.blocks[0].attn.sublayer
+    assert isinstance(attn.q_norm, RMSNorm) and isinstance(model.input_norm, HeadwiseRMSNorm)
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    headwise = HeadwiseRMSNorm(32, 2).double()
+    nn.init.normal_(headwise.weight, 1.0, 0.2)
+    # per-head RMS, then a per-channel gain (float64: rounding only)
+    expected = rms_reference(x.unflatten(-1, (2, 16)), headwise.weight.view(2, 16), 1e-5).flatten(-2)
+    torch.testing.assert_close(headwise(x), expected, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- GeoNorm's readings
+
+
+def geonorm_stream(**kw) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=4, n_head=2, n_embd=32, norm_scheme="geonorm",
+                          **kw)).double()
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    stream = [model.embed(idx)]
+    for block in model.blocks:
+        stream.append(block(stream[-1]))
+    return stream
+
+
+def test_geonorm_sqrt_d_keeps_every_token_at_norm_sqrt_d():
+    for x in geonorm_stream(geonorm_radius="sqrt_d"):
+        # the projection and every rotation change nothing but rounding: 1e-12 relative in float64
+        torch.testing.assert_close(x.norm(dim=-1), torch.full(x.shape[:-1], math.sqrt(32), dtype=torch.float64),
+                                   rtol=1e-12, atol=0)
+    # the default reading keeps the embedding's own, much smaller norm (GPT-2 init: RMS ~ 0.02 * sqrt(2))
+    assert geonorm_stream()[-1].norm(dim=-1).max() < 0.1 * math.sqrt(32)
+
+
+def test_geonorm_radius_is_checked():
+    with pytest.raises(ValueError, match="geonorm_radius='unit' is not valid; choose one of: embedding, sqrt_d"):
+        GPTConfig(geonorm_radius="unit")
+
+
+def app_d_listing(x: np.ndarray, g: np.ndarray, clamp: float = math.pi / 4) -> np.ndarray:
+    """What GeoNorm App. D's listing computes in its default ("harnomic") branch, whose decayed angle goes to
+    an unused variable: theta = min(||v|| / ||x||, clamp) with neither decay nor scale and bias."""
+    gradient = g - (x * g).sum(-1, keepdims=True) / np.linalg.norm(x, axis=-1, keepdims=True) ** 2 * x
+    safe_tangent_norm = np.maximum(np.linalg.norm(gradient, axis=-1, keepdims=True), 1e-8)
+    safe_r = np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-6)
+    theta = np.minimum(safe_tangent_norm / safe_r, clamp)
+    return x * np.cos(theta) + gradient / safe_tangent_norm * safe_r * np.sin(theta)
+
+
+def test_listing_computation_needs_no_decay_and_fixed_a_b():
+    x, s = (t.numpy() for t in step_inputs(parallel_token=True))
+    listing = app_d_listing(x, s)
+    config = dict(block_size=16, vocab_size=50, n_layer=3, n_head=2, n_embd=32, norm_scheme="geonorm")
+    frozen = GPT(GPTConfig(geonorm_decay="none", geonorm_affine=False, **config)).double()
+    steps = [m for m in frozen.modules() if isinstance(m, GeodesicStep)]
+    assert not any(p.requires_grad for step in steps for p in (step.a, step.b))  # buffers, not parameters
+    assert not any(n.endswith((".a", ".b")) for n, _ in frozen.named_parameters())
+    for step in steps:  # float64, same arithmetic: rounding only
+        out = step(torch.from_numpy(x), torch.from_numpy(s)).numpy()
+        np.testing.assert_allclose(out, listing, rtol=1e-12, atol=1e-12)
+    # geonorm_decay="none" alone keeps a and b learnable: once they move, the listing is no longer computed
+    learned = GPT(GPTConfig(geonorm_decay="none", **config)).double()
+    step = next(m for m in learned.modules() if isinstance(m, GeodesicStep))
+    assert step.a.requires_grad and step.b.requires_grad
+    with torch.no_grad():
+        step.a.fill_(1.1)
+    assert not np.allclose(step(torch.from_numpy(x), torch.from_numpy(s)).detach().numpy(), listing, atol=1e-6)
