@@ -105,9 +105,10 @@ class GPTConfig:
     attn_scale: str | None = None
     branch_scale: float | None = None
     init: str | None = None
-    # GeoNorm (eq. 5): step-size decay over blocks, the angle clamp, learnable a and b (False fixes
-    # them at 1, 0), and the sphere the stream lives on ("embedding": each token's embedding norm;
-    # "sqrt_d": the embedding projected onto radius sqrt(n_embd)); see GeodesicStep
+    # GeoNorm (eq. 5), for models that combine by the geodesic step: step-size decay over blocks, the
+    # angle clamp, learnable a and b (False fixes them at 1, 0), and the sphere the stream lives on
+    # ("embedding": each token's embedding norm; "sqrt_d": the embedding projected onto radius
+    # sqrt(n_embd)); see GeodesicStep
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
     geonorm_affine: bool = True
