@@ -180,9 +180,11 @@ def check_config(c: GPTConfig) -> None:
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
+    """torch's RMSNorm over the last dim (same parameters and state dict), computed by `RMSNormFunction`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return RMSNormFunction.apply(x, self.weight, eps)
 
