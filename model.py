@@ -286,8 +286,8 @@ class GeodesicStep(nn.Module):
     behaviour before the others existed):
 
     - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
-      stack. Follows "the token embeddings serve as the initial state" (§3.1): the initial state is
-      the embedding as it is: with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03.
+      stack. Follows "the token embeddings serve as the initial state" (§3.1), taken as they are
+      (with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03).
     - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
       radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
       layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
