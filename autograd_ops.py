@@ -55,7 +55,6 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 
 
-
 class GeodesicTerms(NamedTuple):
     """Per-token quantities of one geodesic step; every field but `v` has shape (..., 1)."""
 

@@ -161,10 +161,10 @@ class GPTConfig:
     rezero_gate: str = "update"  # ReZero's alpha: one per residual "update", or one per "block" (see ReZeroAdd)
     hypersphere: bool | None = None
     tie_head: bool | None = None
-    # GeoNorm (eq. 5): step-size decay over blocks and the angle clamp
-    # GeoNorm (eq. 5): step-size decay over blocks, the angle clamp, learnable a and b (False fixes
-    # them at 1, 0), and the sphere the stream lives on ("embedding": each token's embedding norm;
-    # "sqrt_d": the embedding projected onto radius sqrt(n_embd)); see GeodesicStep
+    # GeoNorm (eq. 5), for models that combine by the geodesic step: step-size decay over blocks, the
+    # angle clamp, learnable a and b (False fixes them at 1, 0), and the sphere the stream lives on
+    # ("embedding": each token's embedding norm; "sqrt_d": the embedding projected onto radius
+    # sqrt(n_embd)); see GeodesicStep
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
     geonorm_affine: bool = True
@@ -257,9 +257,11 @@ def check_config(c: GPTConfig) -> None:
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
+    """torch's RMSNorm over the last dim (same parameters and state dict), computed by `RMSNormFunction`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return RMSNormFunction.apply(x, self.weight, eps)
 
@@ -440,8 +442,8 @@ class GeodesicStep(nn.Module):
     behaviour before the others existed):
 
     - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
-      stack. Follows "the token embeddings serve as the initial state" (§3.1): the initial state is
-      the embedding as it is: with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03.
+      stack. Follows "the token embeddings serve as the initial state" (§3.1), taken as they are
+      (with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03).
     - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
       radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
       layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
