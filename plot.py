@@ -247,12 +247,19 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
             else:
                 failed.setdefault(label, []).append(float(r[lr_key]))
     order = sorted(sweep["lr_points"], key=lambda p: (p.get("val_loss_mean") is None, p.get("val_loss_mean") or 0))
+    losses = sorted(v for c in curves.values() for v in c.values())
+    if losses:  # a finite loss far above the rest (a blown-up run) is marked like a divergence, not plotted
+        cap = 3 * losses[len(losses) // 2]
+        for label, c in curves.items():
+            for lr in [lr for lr, v in c.items() if v > cap]:
+                del c[lr]
+                failed.setdefault(label, []).append(lr)
     finite = [v for c in curves.values() for v in c.values()] + list(refs.values())
     if not finite:
         raise SystemExit("error: no run of these sweeps finished with a finite loss: nothing to draw")
     low, high = min(finite), max(finite)
     top = high + 0.08 * (high - low or 1.0)  # the band where diverged runs are marked
-    fig = Figure(figsize=(7.5, 5.0), layout="constrained")
+    fig = Figure(figsize=(11, 5.0), layout="constrained")
     ax = fig.add_subplot()
     for i, point in enumerate(order):
         label = point_label(point, keys)
@@ -274,13 +281,13 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         ax.annotate(f"{name} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
                     color="0.3", va="bottom")
     if failed:
-        ax.annotate("x: diverged or crashed", (0.01, top), xycoords=("axes fraction", "data"), fontsize="small",
-                    va="bottom", color="0.3")
+        ax.annotate("x: diverged, crashed, or ended above 3x the median loss", (0.01, top),
+                    xycoords=("axes fraction", "data"), fontsize="small", va="bottom", color="0.3")
     ax.set_xscale("log")
     ax.set(xlabel=lr_key, ylabel="final val loss (first seed)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", title="sorted by mean loss at the best rate (mean ± std, n)",
-              title_fontsize="small", loc="outside right upper" if len(order) > 8 else "best")
+              title_fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     size = f"L{setup.get('n_layer')} d{setup.get('n_embd')} T{setup.get('block_size')}" if setup else ""
     title = (f"{size}, {setup.get('data')}, {setup.get('max_iters')} steps, {setup.get('optimizer')}; "
              f"{setup.get('seeds')} seeds at each best rate (squares: mean ± std)") if setup else "learning-rate sweep"
