@@ -537,6 +537,16 @@ def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, 
     return angles.cos(), angles.sin()
 
 
+def register_rope(module: nn.Module, config: GPTConfig, head_dim: int) -> bool:
+    """Give an attention module the RoPE tables as buffers when config.pos is "rope"; True if it has them."""
+    if config.pos != "rope":
+        return False
+    cos, sin = rope_tables(head_dim, config.block_size, config.rope_base)
+    module.register_buffer("rope_cos", cos, persistent=False)
+    module.register_buffer("rope_sin", sin, persistent=False)
+    return True
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of each head's channels by position (RoFormer)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -570,11 +580,7 @@ class CausalSelfAttention(nn.Module):
         self.v_norm = make_qkv_norm(config, scheme.v_norm)
         self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
-        self.rope = config.pos == "rope"
-        if self.rope:
-            cos, sin = rope_tables(self.head_dim, config.block_size, config.rope_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = register_rope(self, config, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -721,11 +727,7 @@ class SphereAttention(nn.Module):
         self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.qk_norm else None
         self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
-        self.rope = config.pos == "rope"
-        if self.rope:
-            cos, sin = rope_tables(self.head_dim, config.block_size, config.rope_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = register_rope(self, config, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape

@@ -18,6 +18,8 @@ import json
 import math
 import os
 import pickle
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import torch
 
@@ -114,19 +116,26 @@ def _fsync_folder(path: str) -> None:
             os.close(fd)
 
 
-def _write_atomically(path: str, data: bytes) -> None:
-    """Write path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
-    tmp = f"{path}.tmp"
+@contextlib.contextmanager
+def _temporary_file(tmp: str) -> Iterator[BinaryIO]:
+    """Open tmp for writing and fsync it on success; on any error remove it and re-raise."""
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
+    tmp = f"{path}.tmp"
+    with _temporary_file(tmp) as f:
+        f.write(data)
+    os.replace(tmp, path)
     _fsync_folder(path)
 
 
@@ -149,13 +158,11 @@ def save_checkpoint(path: str, state: dict) -> None:
     checkpoint that matches its checksum (and at most a stale .tmp): the new digest joins the checksum
     file before the rename (either file under `path` then verifies) and the old one leaves after it."""
     tmp = f"{path}.tmp"
+    with _temporary_file(tmp) as f:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+    digest = writer.sha256.hexdigest()
     try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(state, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = writer.sha256.hexdigest()
         _write_checksums(path, [digest, *recorded_checksums(path)])
         os.replace(tmp, path)
     except BaseException:
