@@ -509,9 +509,35 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
                   f, indent=1)
 
 
+def val_loss_at(out_dir: str, iteration: int) -> float | None:
+    """A run's val loss at the evaluation of `iteration` (None if it logged none there); +inf after a divergence."""
+    records = load_metrics(out_dir)
+    stop = diverged_at(records)
+    if stop is not None and iteration >= stop:
+        return math.inf
+    return next((r["val_loss"] for r in records if r.get("kind") == "eval" and r["iter"] == iteration), None)
+
+
+def steps_to_target(out_dir: str, target: float) -> int | None:
+    """The first evaluated iteration whose val loss is at or below `target` (None: never, within the run).
+    Its resolution is the run's eval_interval: nGPT's "steps to reach a loss" (Loshchilov et al. Fig. 1)."""
+    return next((r["iter"] for r in load_metrics(out_dir) if r.get("kind") == "eval"
+                 and r.get("val_loss") is not None and r["val_loss"] <= target), None)
+
+
+def best_lr_runs(root: str, point: dict) -> dict[int, str]:
+    """{seed: out_dir} of one --lr_grid sweep point's runs at its best rate (from root/summary.json)."""
+    summary = read_json(os.path.join(root, "summary.json"))
+    keys, lr_key = summary.get("keys", []), summary.get("lr_key", "learning_rate")
+    match = {**point, lr_key: next(p["best_lr"] for p in summary["lr_points"]
+                                   if all(str(p[k]) == str(point.get(k)) for k in keys))}
+    return {r["seed"]: r["out_dir"] for r in summary["runs"] if all(str(r.get(k)) == str(v) for k, v in match.items())}
+
+
 def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lower") -> list[dict]:
     """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
-    its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point."""
+    its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point (the
+    first root's, if several match). Points with the same settings in two roots are told apart by the root."""
     points = []
     for root in roots:
         summary = read_json(os.path.join(root, "summary.json"))
@@ -521,8 +547,13 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
             keys = summary["keys"]
             runs = [r for r in summary["runs"] if all(str(r.get(k)) == str(point[k]) for k in keys)]
             label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
-            points.append({**point, "label": label, "losses": {int(s): v for s, v in point["seed_losses"].items()},
+            losses = {int(s): v for s, v in point["seed_losses"].items()}
+            points.append({**point, "label": label, "root": root, "losses": losses,
                            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
+    labels = [p["label"] for p in points]
+    for p in points:
+        if labels.count(p["label"]) > 1:
+            p["label"] += f" ({os.path.basename(os.path.normpath(p['root']))})"
     base = next((p for p in points if baseline and all(str(p.get(k)) == str(v) for k, v in baseline.items())), None)
     if baseline and base is None:
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")

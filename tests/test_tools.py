@@ -257,6 +257,29 @@ def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(dat
     assert [row["val_loss_mean_std"][:6] for row in board] == [f"{m:.4f}"[:6] for m in sorted(means)]
     assert sum("verdict" in row for row in board) == 1  # every arm but the baseline
     assert sweep.main(["--leaderboard", out_root, "--baseline", "norm_scheme=rms"]) == 2  # not a point
+    # the same point in two sweeps: told apart by the sweep's folder, the first one is the baseline
+    twin = str(tmp_path / "lr_twin")
+    shutil.copytree(out_root, twin)
+    board = sweep.leaderboard([out_root, twin], {"norm_scheme": "pre"})
+    labels = [row["label"] for row in board]
+    assert len(set(labels)) == 4 and "norm_scheme=pre (lr_twin)" in labels
+    assert sum("verdict" in row for row in board) == 3
+    at_best = sweep.best_lr_runs(out_root, {"norm_scheme": "post"})
+    assert sorted(at_best) == [1, 2] and all(f"learning_rate={summary['lr_points'][1]['best_lr']}" in d
+                                             for d in at_best.values())
+
+
+def test_steps_to_target_and_loss_at_an_iteration_read_the_evaluations(tmp_path):
+    records = [{"kind": "eval", "iter": 0, "val_loss": 4.0}, {"kind": "train", "iter": 10, "loss": 1.0},
+               {"kind": "eval", "iter": 50, "val_loss": 2.5}, {"kind": "eval", "iter": 100, "val_loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = str(tmp_path)
+    assert sweep.steps_to_target(run, 2.5) == 50  # at or below the target; a train loss of 1.0 does not count
+    assert sweep.steps_to_target(run, 1.9) is None
+    assert sweep.val_loss_at(run, 100) == 2.0 and sweep.val_loss_at(run, 75) is None
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "status", "iter": 120, "status": "diverged"}) + "\n")
+    assert sweep.val_loss_at(run, 150) == math.inf
 
 
 def test_lr_sweep_refuses_a_swept_key_in_the_grid_and_bad_rates():
