@@ -1,9 +1,11 @@
 """
 One GPT that holds every normalization scheme of the source papers as flags.
 
-Reading order: the scheme table (which primitives each scheme uses), the config, the norms,
-the residual combine rules (including GeoNorm's geodesic step), attention, MLP, the residual
-update that ties them together, the block, and the GPT.
+Reading order: the scheme table (which primitives each scheme uses), the config, the factories
+that build a scheme's norms and combine rules from it, attention, MLP, the residual update that
+ties them together, the block, and the GPT. The building blocks themselves (the norm types, the
+residual combine rules including GeoNorm's geodesic step, RoPE) live in layers.py; nGPT's
+unit-norm modules live in ngpt.py.
 
 Every block performs the same four steps for its attention and its MLP:
 
@@ -16,7 +18,7 @@ A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new
 Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
 and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN; since 2020,
 DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun; and nGPT
-(Loshchilov et al.), whose unit-norm modules sit in their own section below.
+(Loshchilov et al.), whose unit-norm modules are in ngpt.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,24 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from autograd_ops import GeodesicStepFunction, RMSNormFunction, geodesic_terms
+from layers import (
+    DynamicErf,
+    DynamicTanh,
+    GainLinear,
+    GeodesicStep,
+    HeadwiseRMSNorm,
+    ReZeroAdd,
+    RMSNorm,
+    ScalarGain,
+    ScaledAdd,
+    apply_rope,
+    combine_coefficients,
+    geonorm_decay,
+    mlp_width,
+    register_rope,
+    softmax_scale,
+)
+from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, SphereMLP
 
 
 class Scheme(NamedTuple):
@@ -256,68 +275,6 @@ def check_config(c: GPTConfig) -> None:
 # ----------------------------------------------------------------------------- norms
 
 
-class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm over the last dim (same parameters and state dict), computed by `RMSNormFunction`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or len(self.normalized_shape) != 1:
-            return super().forward(x)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return RMSNormFunction.apply(x, self.weight, eps)
-
-
-class HeadwiseRMSNorm(nn.Module):
-    """The anisotropic, head-aligned LayerNorm proposed by the geometric account of LN/MHA/FFN, as we read it.
-
-    The paper proposes normalizing on a product of per-head spheres instead of one sphere; it
-    gives no reference implementation. Here: split the vector into n_head contiguous groups
-    (the attention heads' slices), RMS-normalize each group on its own, then apply one
-    learnable gain per channel.
-    """
-
-    def __init__(self, dim: int, n_head: int, eps: float = 1e-5):
-        super().__init__()
-        self.n_head, self.eps = n_head, eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        groups = x.unflatten(-1, (self.n_head, -1))
-        return RMSNormFunction.apply(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
-
-
-class DynamicTanh(nn.Module):
-    """DyT (Zhu et al., 2025): gamma * tanh(alpha * x) + beta in place of a norm; alpha is one learnable scalar.
-
-    Elementwise: no statistics over the channels. The bias beta exists when `config.bias` is set, as
-    for LayerNorm here (the DyT LLaMA code has none).
-    """
-
-    def __init__(self, dim: int, alpha_init: float, bias: bool):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.tensor(alpha_init))
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-
-    def squash(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.alpha * x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return self.squash(x) * self.weight
-        return torch.addcmul(self.bias, self.squash(x), self.weight)
-
-
-class DynamicErf(DynamicTanh):
-    """Derf (Chen et al., 2025): gamma * erf(alpha * x + s) + beta, with a learnable scalar shift s (init 0)."""
-
-    def __init__(self, dim: int, alpha_init: float, bias: bool):
-        super().__init__(dim, alpha_init, bias)
-        self.shift = nn.Parameter(torch.tensor(0.0))
-
-    def squash(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.erf(self.alpha * x + self.shift)
-
-
 def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
     """The norm named by `config.norm`; alpha_init sets DyT/Derf's alpha here (None: `norm_alpha_init`)."""
     if config.norm == "layernorm":
@@ -354,136 +311,6 @@ def norm_alpha_init(config: GPTConfig, place: str) -> float:
 # ----------------------------------------------------------------------------- combine rules
 
 
-def combine_coefficients(rule: str, j: int, n_layer: int) -> tuple[float, float]:
-    """(alpha, beta) of the residual update x <- alpha * x + beta * y for residual update j.
-
-    j in 1..2L counts residual updates (attention of block l is 2l+1, its MLP 2l+2).
-    """
-    if rule == "add":
-        return 1.0, 1.0
-    if rule == "pre_alt":  # GeoNorm App. B eq. 13: x_j / sqrt(j+1) of the Pre-Norm stream
-        return math.sqrt(j / (j + 1)), 1.0 / math.sqrt(j + 1)
-    if rule == "deepnorm":  # DeepNet: alpha = (2L)^(1/4) for a decoder-only model
-        return (2 * n_layer) ** 0.25, 1.0
-    if rule == "convex":  # Bir et al. §4.3: x <- (L-1)/L x + block(x)/L
-        return (n_layer - 1) / n_layer, 1.0 / n_layer
-    raise ValueError(f"combine={rule!r} has no linear coefficients")
-
-
-class ScaledAdd(nn.Module):
-    """x <- alpha * x + beta * y with constants fixed at construction."""
-
-    def __init__(self, alpha: float, beta: float):
-        super().__init__()
-        self.alpha, self.beta = alpha, beta
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.alpha == 1.0 and self.beta == 1.0:
-            return x + y
-        return torch.add(x * self.alpha, y, alpha=self.beta)  # two passes over the stream, not three
-
-    def extra_repr(self) -> str:
-        return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
-
-
-class ScalarGain(nn.Module):
-    """x -> g * x, g one learnable scalar: ReZero's residual gate (init 0), DyT's embedding scale (init sqrt(d))."""
-
-    def __init__(self, init: float):
-        super().__init__()
-        self.gain = nn.Parameter(torch.tensor(init))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gain * x
-
-
-class ReZeroAdd(nn.Module):
-    """ReZero (Bachlechner et al., eq. 1): x <- x + alpha * y, alpha learnable and 0 at init, so every update
-    starts as the identity. The paper's "one parameter per layer" reads two ways: `rezero_gate="update"` (the
-    default) gives each residual update its own alpha; "block" shares one between a block's attention and
-    MLP updates, as the released rztx.py does."""
-
-    def __init__(self):
-        super().__init__()
-        self.alpha = ScalarGain(0.0)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x + self.alpha(y)
-
-
-def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
-    """Step-size decay of GeoNorm §3.2 for 0-based block index `layer`."""
-    if schedule == "harmonic":
-        return 1.0 / (layer + 1)
-    if schedule == "sqrt":
-        return 1.0 / math.sqrt(layer + 1)
-    if schedule == "linear":
-        return (n_layer - layer) / n_layer
-    return 1.0
-
-
-class GeodesicStep(nn.Module):
-    """GeoNorm's residual update (eq. 5): move x along the sphere of radius ||x||
-    in the direction of the sub-layer output s, by an angle that is clamped and decays with depth.
-
-        v      = s - (<x,s> / ||x||^2) x              tangent component of s at x
-        theta  = min(||v|| / ||x||, c)
-        theta' = clamp((a * theta + b) * decay(l), -c, c)     a, b learnable (init 1, 0)
-        x_new  = cos(theta') x + ||x|| sin(theta') v / ||v||  so ||x_new|| = ||x||
-
-    The clamp bounds the step's length |theta'|; the listing's one-sided min(., c) is the same
-    whenever a * theta + b >= -c, which holds at init and in every run we have seen.
-    `GeodesicStepFunction` computes it as one autograd node (the paper calls its cost negligible;
-    as a chain of eager ops it was the slowest part of a GeoNorm step on a CPU).
-
-    Where the sphere lies is left open by the paper: it calls the stream's constraint set "the
-    sphere defined by the normalization radius ||x_k||", and never says where the embedding starts.
-    Three readings, each an option (the first is the default only because it was this model's
-    behaviour before the others existed):
-
-    - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
-      stack. Follows "the token embeddings serve as the initial state" (§3.1), taken as they are
-      (with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03).
-    - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
-      radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
-      layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
-      Post-Norm stream eq. 5 replaces sits on that sphere.
-    - `pre_norm="attn+mlp"`: the sub-layers see N(x) instead of x. Follows "Pre-Norm can be regarded
-      as a special case of GeoNorm" (§3.3), whose sub-layers take Norm(x) (App. B, eq. 8). The
-      angles are still measured against the stream's own radius: with the embedding's, the MLP's
-      update is already 1.4 ||x|| at init (CPU bench shape), past the clamp.
-
-    The paper's App. D listing has bugs that this module does not copy: its "harmonic" branch
-    assigns to `theta_attn`, so neither the decay nor `scale` and `bias` (a and b) are applied;
-    `__init__` ignores its `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an
-    integer tensor, which cannot require grad; the default method name is misspelled "harnomic";
-    and `math` is not imported. What the listing computes, theta' = min(||v|| / ||x||, pi/4), is
-    `geonorm_decay="none"` with `geonorm_affine=False` (a, b fixed at 1, 0); `geonorm_decay="none"`
-    alone still learns a and b.
-    """
-
-    def __init__(self, decay: float, clamp: float, affine: bool = True):
-        super().__init__()
-        self.decay, self.clamp = decay, clamp
-        if affine:
-            self.a = nn.Parameter(torch.tensor(1.0))
-            self.b = nn.Parameter(torch.tensor(0.0))
-        else:  # fixed at the identity map theta' = theta * decay
-            self.register_buffer("a", torch.tensor(1.0))
-            self.register_buffer("b", torch.tensor(0.0))
-
-    def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
-        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp)
-        return t.theta, t.radius, t.v, t.v_norm
-
-    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp)
-
-    def extra_repr(self) -> str:
-        return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"
-
-
 def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
@@ -499,59 +326,10 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
 # ----------------------------------------------------------------------------- sub-layers
 
 
-class GainLinear(nn.Linear):
-    """A linear map followed by a learnable diagonal gain kept in [1e-3, cap] (Bir et al. §6.2).
-
-    The gain is clamped in place after every optimizer step (`constrain_`, through
-    GPT.apply_parameter_constraints), as Bir et al.'s code clamps the parameter itself: a clamp
-    inside forward would give a gain above the cap zero gradient, and it would stay there."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, cap: float):
-        super().__init__(in_features, out_features, bias=bias)
-        self.cap = cap
-        self.gain = nn.Parameter(torch.full((out_features,), min(1.0, cap)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.gain
-
-    @torch.no_grad()
-    def constrain_(self) -> None:
-        self.gain.clamp_(1e-3, self.cap)
-
-
 def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:
     if config.gain_cap is not None:
         return GainLinear(d_in, d_out, config.bias, config.gain_cap)
     return nn.Linear(d_in, d_out, bias=config.bias)
-
-
-def softmax_scale(attn_scale: str, head_dim: int) -> float:
-    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3) or sqrt(d_h) (nGPT §2.3.2,
-    for unit q and k, whose dot products have variance 1/d_h)."""
-    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim)}[attn_scale]
-
-
-def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def register_rope(module: nn.Module, config: GPTConfig, head_dim: int) -> bool:
-    """Give an attention module the RoPE tables as buffers when config.pos is "rope"; True if it has them."""
-    if config.pos != "rope":
-        return False
-    cos, sin = rope_tables(head_dim, config.block_size, config.rope_base)
-    module.register_buffer("rope_cos", cos, persistent=False)
-    module.register_buffer("rope_sin", sin, persistent=False)
-    return True
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head's channels by position (RoFormer)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
@@ -597,13 +375,6 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-def mlp_width(config: GPTConfig) -> int:
-    if config.mlp_hidden is not None:
-        return config.mlp_hidden
-    d = config.n_embd  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
-    return 64 * math.ceil(8 * d / 3 / 64) if config.mlp == "swiglu" else 4 * d
-
-
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -618,161 +389,6 @@ class MLP(nn.Module):
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
-
-
-# ----------------------------------------------------------------------------- nGPT: the hypersphere
-#
-# nGPT (Loshchilov et al., ICLR 2025) keeps the residual stream and every weight vector along the
-# embedding axis at unit L2 norm; learned scalings (alpha, s_qk, s_u, s_v, s_z) restore the ranges
-# that normalization takes away. Checked against the paper and NVIDIA/ngpt's model.py and train.py;
-# where they differ, the docstrings below say which one is followed and why it does not matter.
-
-
-def unit(x: torch.Tensor) -> torch.Tensor:
-    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector."""
-    return F.normalize(x, dim=-1, eps=1e-12)
-
-
-class LearnedScale(nn.Module):
-    """A learnable vector in nGPT's parameterization (§2.5): stored as `scale` and read as
-    stored * init / scale, so it starts at `init` and an Adam step of size lr moves it by
-    lr * init / scale (scale 1/sqrt(d) lets alpha, s_qk and s_z move as fast as the unit weights)."""
-
-    def __init__(self, size: int, init: float, scale: float):
-        super().__init__()
-        self.init, self.scale = init, scale
-        self.param = nn.Parameter(torch.full((size,), float(scale)))
-
-    def forward(self) -> torch.Tensor:
-        return self.param * (self.init / self.scale)
-
-    def extra_repr(self) -> str:
-        return f"size={self.param.numel()}, init={self.init:.4g}, scale={self.scale:.4g}"
-
-
-class SphereLinear(nn.Linear):
-    """A linear map whose weight vectors along the embedding axis have unit norm (nGPT §2.6), so a map
-    that reads the unit stream outputs cosines. `unit_dim` is the weight's axis of length n_embd: 1 for
-    maps that read the stream (q, k, v and the MLP's inputs: unit rows), 0 for maps that write it
-    (out_proj and the MLP's proj: unit columns), as NVIDIA/ngpt's `normalize_matrices` does.
-    `constrain_` restores the norms; `GPT.apply_parameter_constraints` calls it at init and after
-    every optimizer step. Biases (off in the paper) are left as they are."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, unit_dim: int):
-        super().__init__(in_features, out_features, bias=bias)
-        self.unit_dim = unit_dim
-
-    @torch.no_grad()
-    def constrain_(self) -> None:
-        self.weight.copy_(F.normalize(self.weight, dim=self.unit_dim))
-
-
-class SphereEmbedding(nn.Embedding):
-    """An embedding table with unit rows (nGPT §2.1), restored by `constrain_` like `SphereLinear`."""
-
-    @torch.no_grad()
-    def constrain_(self) -> None:
-        self.weight.copy_(F.normalize(self.weight, dim=1))
-
-
-class SphereHead(SphereLinear):
-    """nGPT's output head (§2.1, eq. 3): unit rows make the logits cosines in [-1, 1]; a learned scale
-    per vocabulary entry, s_z (init 1, scale 1/sqrt(d)), gives them back a usable temperature."""
-
-    def __init__(self, n_embd: int, vocab_size: int):
-        super().__init__(n_embd, vocab_size, bias=False, unit_dim=1)
-        self.s_z = LearnedScale(vocab_size, 1.0, n_embd**-0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.s_z()
-
-
-class NormalizedLerp(nn.Module):
-    """nGPT's residual update (eq. 10, 11): step from h toward the sub-layer's normalized output by a
-    learned amount per channel (the eigen learning rates alpha_A, alpha_M), then back onto the sphere:
-
-        h <- Norm(h + |alpha| * (Norm(y) - h))        alpha: init 0.05, scale 1/sqrt(d)
-
-    alpha enters as |alpha|, as in NVIDIA/ngpt's model.py (the paper asks for alpha > 0). That code also
-    normalizes h before the step ("normally not needed": h is a unit vector already, as the embeddings
-    are unit rows and every update ends in Norm); the paper does not, and neither does this (one
-    normalization fewer per update). With learned positions (not in the paper) the first update starts
-    from token + position, of norm near sqrt(2), and ends on the sphere like every other.
-    """
-
-    def __init__(self, dim: int, alpha_init: float, alpha_scale: float):
-        super().__init__()
-        self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return unit(x + self.alpha().abs() * (unit(y) - x))
-
-
-class SphereAttention(nn.Module):
-    """nGPT's attention (§2.3.2): q, k, v and out are unit-norm maps; after RoPE, q and k are put on the
-    unit sphere per head and multiplied by s_qk (eq. 15, 16: a vector of d_k per head, init 1, scale
-    1/sqrt(d)); the row's attn_scale "sqrt(d)" replaces 1/sqrt(d_k) for these unit vectors.
-
-    s_qk acts after RoPE, as in NVIDIA/ngpt (the paper's equations leave RoPE out). That code rotates
-    adjacent channel pairs, `apply_rope` the two halves: the same model up to a fixed permutation of
-    each head's channels. qk_norm=False drops the normalization and s_qk (the paper's Table 6 ablation).
-    """
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        d, self.n_head = config.n_embd, config.n_head
-        self.head_dim = d // config.n_head
-        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, config.bias, unit_dim=1) for _ in range(3))
-        self.out_proj = SphereLinear(d, d, config.bias, unit_dim=0)
-        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.qk_norm else None
-        self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
-        self.dropout = config.dropout
-        self.rope = register_rope(self, config, self.head_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rope:
-            q = apply_rope(q, self.rope_cos, self.rope_sin)
-            k = apply_rope(k, self.rope_cos, self.rope_sin)
-        if self.s_qk is not None:
-            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim)  # one vector per head
-            q, k = (unit(q) * s_qk).to(v.dtype), (unit(k) * s_qk).to(v.dtype)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class SphereMLP(nn.Module):
-    """nGPT's MLP (§2.4.2): unit-norm maps, and u <- s_u * u, v <- s_v * sqrt(d) * v before u * SiLU(v)
-    (eq. 20, 21; s_u, s_v init 1, scale 1). The sqrt(d) lifts v, a cosine of order 1/sqrt(d), out of
-    SiLU's near-linear range.
-
-    NVIDIA/ngpt puts the sqrt(d) on u as well. Without biases (as in the paper) the MLP's output is
-    used only after Norm (eq. 11), which makes it 0-homogeneous in u: a constant on u changes neither
-    the forward pass nor any gradient, so the paper's form is followed and no option is needed. With
-    mlp="gelu" (not in the paper) the one input map feeds the nonlinearity and takes v's scaling.
-    """
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        d, hidden = config.n_embd, mlp_width(config)
-        self.swiglu = config.mlp == "swiglu"
-        self.fc = SphereLinear(d, hidden, config.bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
-        self.gate = SphereLinear(d, hidden, config.bias, unit_dim=1) if self.swiglu else None  # v
-        self.proj = SphereLinear(hidden, d, config.bias, unit_dim=0)
-        self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
-        self.s_v = LearnedScale(hidden, 1.0, 1.0)
-        self.v_gain = math.sqrt(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.swiglu:
-            return self.proj(F.gelu(self.fc(x) * (self.s_v() * self.v_gain)))
-        u = self.fc(x) * self.s_u()
-        v = self.gate(x) * (self.s_v() * self.v_gain)
-        return self.proj(u * F.silu(v))
 
 
 # ----------------------------------------------------------------------------- block

@@ -61,7 +61,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
-from model import GPT, GeodesicStep, GPTConfig, block_activation_rms
+from layers import GeodesicStep
+from model import GPT, GPTConfig, block_activation_rms
 from run_files import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,

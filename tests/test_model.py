@@ -7,18 +7,15 @@ import pytest
 import torch
 import torch.nn as nn
 
+from layers import GeodesicStep, HeadwiseRMSNorm, ScaledAdd, geonorm_decay
 from model import (
     DNT_SETTINGS,
     ELEMENTWISE_NORMS,
     GPT,
     NORM_TYPES,
     SCHEMES,
-    GeodesicStep,
     GPTConfig,
-    HeadwiseRMSNorm,
-    ScaledAdd,
     block_activation_rms,
-    geonorm_decay,
 )
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, HeadwiseRMSNorm)

@@ -11,7 +11,9 @@ from conftest import tiny_run_args
 
 import optim
 import train
-from model import GPT, GPTConfig, LearnedScale, SphereEmbedding, SphereLinear, apply_rope
+from layers import apply_rope
+from model import GPT, GPTConfig
+from ngpt import LearnedScale, SphereEmbedding, SphereLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,8 @@ import torch.nn as nn
 from test_model import NORM_MODULES, count, residual_stream, tiny, tokens
 from torch.nn import functional as F
 
-from model import GPT, DynamicErf, DynamicTanh, GPTConfig, ReZeroAdd
+from layers import DynamicErf, DynamicTanh, ReZeroAdd
+from model import GPT, GPTConfig
 
 EPS = 1e-5  # GPTConfig.norm_eps, used by the references below
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autograd_ops import GeodesicStepFunction, RMSNormFunction
-from model import GPT, GeodesicStep, GPTConfig, HeadwiseRMSNorm, RMSNorm
+from layers import GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction
+from model import GPT, GPTConfig
 
 
 def eq5_autograd(x, s, a, b, decay: float, clamp: float) -> torch.Tensor:

@@ -1,0 +1,417 @@
+"""
+The building blocks the rows of `SCHEMES` (model.py) are made of: the norm types, the residual combine
+rules (GeoNorm's geodesic step among them), the Lipschitz block's gained linear map, the attention logit
+scale, RoPE and the MLP's width. None of them holds a config; `register_rope` and `mlp_width` only read
+a few attributes of one.
+
+GeoNorm's geodesic step and RMSNorm run as single autograd nodes with backwards written by hand
+(`GeodesicStepFunction`, `RMSNormFunction`); tests/test_speed_paths.py checks their forward passes and
+gradients against the plain formulas, in float64 and with gradcheck.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+
+if TYPE_CHECKING:
+    from model import GPTConfig
+
+
+# ----------------------------------------------------------------------------- fused autograd nodes
+#
+# Autograd through a chain of eager ops saves every intermediate and makes a pass over the tensor
+# for each op and each op's gradient; on a CPU, where these elementwise passes are memory bound and
+# nothing fuses them, that made GeoNorm's step and QK-norm the slowest parts of their schemes. Each
+# node here computes its reductions once and builds each gradient in a few passes. `GeodesicStep`,
+# `RMSNorm` and `HeadwiseRMSNorm` below use them.
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, as one autograd node.
+
+    On a CPU torch's rms_norm is a chain of eager ops whose backward makes a dozen passes over x
+    and allocates as many tensors; this makes three passes forward and six backward, and the
+    backward allocates one tensor, its output. It runs in x's dtype with the weight cast to it, so
+    a bf16 input under autocast stays on bf16 kernels (torch's rms_norm falls back to a slower,
+    mixed-dtype path); reductions accumulate in float32 inside torch's kernels. `weight` has x's
+    last dim (one gain per channel) or its last two (HeadwiseRMSNorm: (n_head, head_dim)).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps)).to(x.dtype)
+        out = x * rstd
+        out.mul_(weight.to(x.dtype))
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        w = weight.to(x.dtype)
+        gx = grad * x  # summed over channels: <g w, x>; over tokens, scaled by rstd: the weight's gradient
+        with torch.autocast(x.device.type, enabled=False):
+            if w.dim() == 1:  # two matrix-vector products, no temporaries
+                dot = (gx @ w).unsqueeze(-1)
+                grad_weight = rstd.flatten() @ gx.flatten(0, -2)
+            else:
+                dot = torch.linalg.vecdot(gx, w).unsqueeze(-1)
+                grad_weight = (gx * rstd).reshape(-1, *w.shape).sum(0)
+        # dx = rstd g w - rstd^3 <g w, x> x / d, written over gx
+        grad_x = torch.mul(grad, w, out=gx).mul_(rstd).addcmul_(x, rstd.pow(3).mul_(dot).div_(-x.shape[-1]))
+        return grad_x, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
+
+
+class GeodesicTerms(NamedTuple):
+    """Per-token quantities of one geodesic step; every field but `v` has shape (..., 1)."""
+
+    x_norm: torch.Tensor  # ||x||
+    radius: torch.Tensor  # ||x|| clamped below at 1e-6
+    dot: torch.Tensor  # <x, s>
+    v: torch.Tensor  # the tangent component of s at x, shape (..., d)
+    v_norm_raw: torch.Tensor  # ||v||
+    v_norm: torch.Tensor  # ||v|| clamped below at 1e-8
+    ratio: torch.Tensor  # ||v|| / ||x||, the angle eq. 3 would take
+    scaled: torch.Tensor  # (a * min(ratio, c) + b) * decay, before the final clamp
+    theta: torch.Tensor  # the applied angle theta'
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """<a, b> over the last dim, kept as size 1: a batched matrix-vector product (no a * b
+    temporary), in the inputs' dtype whatever autocast says."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
+
+
+def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   decay: float, clamp: float) -> GeodesicTerms:
+    """Tangent, its norm and the applied angle of GeoNorm eq. 5 (see `GeodesicStep`), in the wider
+    dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast)."""
+    x = x.to(torch.promote_types(x.dtype, s.dtype))
+    s_wide = s.to(x.dtype)
+    x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    radius = x_norm.clamp_min(1e-6)
+    dot = row_dot(x, s_wide)
+    q = dot / radius.square()
+    # v = s - <x,s>/||x||^2 x, written over s_wide when that is already a copy of s
+    v = s_wide.addcmul_(x, -q) if s_wide is not s else torch.addcmul(s, x, -q)
+    v_norm_raw = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+    v_norm = v_norm_raw.clamp_min(1e-8)
+    ratio = v_norm / radius
+    scaled = torch.addcmul(b, a, ratio.clamp_max(clamp)).mul_(decay)
+    return GeodesicTerms(x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, scaled.clamp(-clamp, clamp))
+
+
+class GeodesicStepFunction(torch.autograd.Function):
+    """GeoNorm eq. 5 as one autograd node with a backward written by hand.
+
+    It makes six passes over the stream forward (two norms, one dot product, the tangent, the output
+    in two) and eight backward (the dot products <g,x> and <g,v>, then each gradient as a combination
+    of g, v and x in three), and saves x, v and per-token scalars only: about half the time of
+    autograd through the same ops on a CPU, which saves and re-reads every intermediate.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                decay: float, clamp: float) -> torch.Tensor:
+        t = geodesic_terms(x, s, a, b, decay, clamp)
+        cos, sin = torch.cos(t.theta), torch.sin(t.theta)
+        step = t.radius * sin / t.v_norm  # x_new = cos(theta') x + step v
+        out = x * cos
+        out.addcmul_(t.v, step)
+        ctx.dtypes, ctx.decay, ctx.clamp = (x.dtype, s.dtype), decay, clamp
+        ctx.save_for_backward(x.to(out.dtype), a, cos, sin, step, *t)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, a, cos, sin, step, x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, theta = ctx.saved_tensors
+        decay, clamp = ctx.decay, ctx.clamp
+        grad = grad.to(x.dtype)
+        grad_x_dot, grad_v_dot = row_dot(grad, x), row_dot(grad, v)
+        # back through theta' = clamp((a min(ratio, c) + b) decay, -c, c) and ratio = ||v|| / ||x||
+        d_theta = (radius * cos / v_norm * grad_v_dot - sin * grad_x_dot) * (scaled.abs() <= clamp)
+        d_ratio = d_theta * decay * a * (ratio <= clamp)
+        d_v_norm = (d_ratio / radius - grad_v_dot * step / v_norm) * (v_norm_raw >= 1e-8)
+        d_radius = grad_v_dot * sin / v_norm - d_ratio * ratio / radius
+        v_coef = (d_v_norm / v_norm_raw).masked_fill(v_norm_raw == 0, 0)  # grad of ||v|| is v / ||v||
+        # back through v = s - q x with q = <x,s> / ||x||^2; <v, x> = <x,s> - q ||x||^2
+        q = dot / radius.square()
+        d_q = -(step * grad_x_dot + v_coef * (dot - q * x_norm.square()))
+        d_dot = d_q / radius.square()
+        d_radius = (d_radius - 2 * q * d_q / radius) * (x_norm >= 1e-6)
+        x_coef = (d_radius / x_norm).masked_fill(x_norm == 0, 0)
+        # ds = step g + v_coef v + d_dot x;  dx = cos g - q ds + d_dot s + x_coef x, with s = v + q x
+        grad_s = grad * step
+        grad_s.addcmul_(v, v_coef).addcmul_(x, d_dot)
+        grad_x = grad * (cos - q * step)
+        grad_x.addcmul_(v, d_dot - q * v_coef).addcmul_(x, d_dot * q + x_coef)
+        d_scaled = d_theta * decay
+        grad_a = (d_scaled * ratio.clamp_max(clamp)).sum().to(a.dtype) if ctx.needs_input_grad[2] else None
+        grad_b = d_scaled.sum().to(a.dtype) if ctx.needs_input_grad[3] else None
+        return grad_x.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_a, grad_b, None, None
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm over the last dim (same parameters and state dict), computed by `RMSNormFunction`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return RMSNormFunction.apply(x, self.weight, eps)
+
+
+class HeadwiseRMSNorm(nn.Module):
+    """The anisotropic, head-aligned LayerNorm proposed by the geometric account of LN/MHA/FFN, as we read it.
+
+    The paper proposes normalizing on a product of per-head spheres instead of one sphere; it
+    gives no reference implementation. Here: split the vector into n_head contiguous groups
+    (the attention heads' slices), RMS-normalize each group on its own, then apply one
+    learnable gain per channel.
+    """
+
+    def __init__(self, dim: int, n_head: int, eps: float = 1e-5):
+        super().__init__()
+        self.n_head, self.eps = n_head, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = x.unflatten(-1, (self.n_head, -1))
+        return RMSNormFunction.apply(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
+
+
+class DynamicTanh(nn.Module):
+    """DyT (Zhu et al., 2025): gamma * tanh(alpha * x) + beta in place of a norm; alpha is one learnable scalar.
+
+    Elementwise: no statistics over the channels. The bias beta exists when `config.bias` is set, as
+    for LayerNorm here (the DyT LLaMA code has none).
+    """
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(alpha_init))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return self.squash(x) * self.weight
+        return torch.addcmul(self.bias, self.squash(x), self.weight)
+
+
+class DynamicErf(DynamicTanh):
+    """Derf (Chen et al., 2025): gamma * erf(alpha * x + s) + beta, with a learnable scalar shift s (init 0)."""
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__(dim, alpha_init, bias)
+        self.shift = nn.Parameter(torch.tensor(0.0))
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.erf(self.alpha * x + self.shift)
+
+
+# ----------------------------------------------------------------------------- combine rules
+
+
+def combine_coefficients(rule: str, j: int, n_layer: int) -> tuple[float, float]:
+    """(alpha, beta) of the residual update x <- alpha * x + beta * y for residual update j.
+
+    j in 1..2L counts residual updates (attention of block l is 2l+1, its MLP 2l+2).
+    """
+    if rule == "add":
+        return 1.0, 1.0
+    if rule == "pre_alt":  # GeoNorm App. B eq. 13: x_j / sqrt(j+1) of the Pre-Norm stream
+        return math.sqrt(j / (j + 1)), 1.0 / math.sqrt(j + 1)
+    if rule == "deepnorm":  # DeepNet: alpha = (2L)^(1/4) for a decoder-only model
+        return (2 * n_layer) ** 0.25, 1.0
+    if rule == "convex":  # Bir et al. §4.3: x <- (L-1)/L x + block(x)/L
+        return (n_layer - 1) / n_layer, 1.0 / n_layer
+    raise ValueError(f"combine={rule!r} has no linear coefficients")
+
+
+class ScaledAdd(nn.Module):
+    """x <- alpha * x + beta * y with constants fixed at construction."""
+
+    def __init__(self, alpha: float, beta: float):
+        super().__init__()
+        self.alpha, self.beta = alpha, beta
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.alpha == 1.0 and self.beta == 1.0:
+            return x + y
+        return torch.add(x * self.alpha, y, alpha=self.beta)  # two passes over the stream, not three
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
+
+
+class ScalarGain(nn.Module):
+    """x -> g * x, g one learnable scalar: ReZero's residual gate (init 0), DyT's embedding scale (init sqrt(d))."""
+
+    def __init__(self, init: float):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * x
+
+
+class ReZeroAdd(nn.Module):
+    """ReZero (Bachlechner et al., eq. 1): x <- x + alpha * y, alpha learnable and 0 at init, so every update
+    starts as the identity. The paper's "one parameter per layer" reads two ways: `rezero_gate="update"` (the
+    default) gives each residual update its own alpha; "block" shares one between a block's attention and
+    MLP updates, as the released rztx.py does."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = ScalarGain(0.0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha(y)
+
+
+def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
+    """Step-size decay of GeoNorm §3.2 for 0-based block index `layer`."""
+    if schedule == "harmonic":
+        return 1.0 / (layer + 1)
+    if schedule == "sqrt":
+        return 1.0 / math.sqrt(layer + 1)
+    if schedule == "linear":
+        return (n_layer - layer) / n_layer
+    return 1.0
+
+
+class GeodesicStep(nn.Module):
+    """GeoNorm's residual update (eq. 5): move x along the sphere of radius ||x||
+    in the direction of the sub-layer output s, by an angle that is clamped and decays with depth.
+
+        v      = s - (<x,s> / ||x||^2) x              tangent component of s at x
+        theta  = min(||v|| / ||x||, c)
+        theta' = clamp((a * theta + b) * decay(l), -c, c)     a, b learnable (init 1, 0)
+        x_new  = cos(theta') x + ||x|| sin(theta') v / ||v||  so ||x_new|| = ||x||
+
+    The clamp bounds the step's length |theta'|; the listing's one-sided min(., c) is the same
+    whenever a * theta + b >= -c, which holds at init and in every run we have seen.
+    `GeodesicStepFunction` computes it as one autograd node (the paper calls its cost negligible;
+    as a chain of eager ops it was the slowest part of a GeoNorm step on a CPU).
+
+    Where the sphere lies is left open by the paper: it calls the stream's constraint set "the
+    sphere defined by the normalization radius ||x_k||", and never says where the embedding starts.
+    Three readings, each an option (the first is the default only because it was this model's
+    behaviour before the others existed):
+
+    - `geonorm_radius="embedding"` (default): each token keeps its embedding's norm through the
+      stack. Follows "the token embeddings serve as the initial state" (§3.1), taken as they are
+      (with GPT-2's N(0, 0.02) token and position embeddings, RMS about 0.03).
+    - `geonorm_radius="sqrt_d"`: the embedding is projected, without parameters, onto the sphere of
+      radius sqrt(d) before the first block. Follows "we reformulate the post-normalized Transformer
+      layer (1)" (§3.2) with App. B's RMSNorm, which "normalizes vectors to have norm sqrt(D)": the
+      Post-Norm stream eq. 5 replaces sits on that sphere.
+    - `pre_norm="attn+mlp"`: the sub-layers see N(x) instead of x. Follows "Pre-Norm can be regarded
+      as a special case of GeoNorm" (§3.3), whose sub-layers take Norm(x) (App. B, eq. 8). The
+      angles are still measured against the stream's own radius: with the embedding's, the MLP's
+      update is already 1.4 ||x|| at init (CPU bench shape), past the clamp.
+
+    The paper's App. D listing has bugs that this module does not copy: its "harmonic" branch
+    assigns to `theta_attn`, so neither the decay nor `scale` and `bias` (a and b) are applied;
+    `__init__` ignores its `clamp` argument (always pi/4); `nn.Parameter(torch.tensor(1))` is an
+    integer tensor, which cannot require grad; the default method name is misspelled "harnomic";
+    and `math` is not imported. What the listing computes, theta' = min(||v|| / ||x||, pi/4), is
+    `geonorm_decay="none"` with `geonorm_affine=False` (a, b fixed at 1, 0); `geonorm_decay="none"`
+    alone still learns a and b.
+    """
+
+    def __init__(self, decay: float, clamp: float, affine: bool = True):
+        super().__init__()
+        self.decay, self.clamp = decay, clamp
+        if affine:
+            self.a = nn.Parameter(torch.tensor(1.0))
+            self.b = nn.Parameter(torch.tensor(0.0))
+        else:  # fixed at the identity map theta' = theta * decay
+            self.register_buffer("a", torch.tensor(1.0))
+            self.register_buffer("b", torch.tensor(0.0))
+
+    def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
+        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp)
+        return t.theta, t.radius, t.v, t.v_norm
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp)
+
+    def extra_repr(self) -> str:
+        return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"
+
+
+# ----------------------------------------------------------------------------- sub-layers
+
+
+class GainLinear(nn.Linear):
+    """A linear map followed by a learnable diagonal gain kept in [1e-3, cap] (Bir et al. §6.2).
+
+    The gain is clamped in place after every optimizer step (`constrain_`, through
+    GPT.apply_parameter_constraints), as Bir et al.'s code clamps the parameter itself: a clamp
+    inside forward would give a gain above the cap zero gradient, and it would stay there."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cap: float):
+        super().__init__(in_features, out_features, bias=bias)
+        self.cap = cap
+        self.gain = nn.Parameter(torch.full((out_features,), min(1.0, cap)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.gain.clamp_(1e-3, self.cap)
+
+
+def softmax_scale(attn_scale: str, head_dim: int) -> float:
+    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3) or sqrt(d_h) (nGPT §2.3.2,
+    for unit q and k, whose dot products have variance 1/d_h)."""
+    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim)}[attn_scale]
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def register_rope(module: nn.Module, config: GPTConfig, head_dim: int) -> bool:
+    """Give an attention module the RoPE tables as buffers when config.pos is "rope"; True if it has them."""
+    if config.pos != "rope":
+        return False
+    cos, sin = rope_tables(head_dim, config.block_size, config.rope_base)
+    module.register_buffer("rope_cos", cos, persistent=False)
+    module.register_buffer("rope_sin", sin, persistent=False)
+    return True
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position (RoFormer)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def mlp_width(config: GPTConfig) -> int:
+    if config.mlp_hidden is not None:
+        return config.mlp_hidden
+    d = config.n_embd  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
+    return 64 * math.ceil(8 * d / 3 / 64) if config.mlp == "swiglu" else 4 * d

@@ -1,0 +1,167 @@
+"""
+nGPT (Loshchilov et al., ICLR 2025) keeps the residual stream and every weight vector along the
+embedding axis at unit L2 norm; learned scalings (alpha, s_qk, s_u, s_v, s_z) restore the ranges
+that normalization takes away. Checked against the paper and NVIDIA/ngpt's model.py and train.py;
+where they differ, the docstrings below say which one is followed and why it does not matter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from layers import apply_rope, mlp_width, register_rope, softmax_scale
+
+if TYPE_CHECKING:
+    from model import GPTConfig
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector."""
+    return F.normalize(x, dim=-1, eps=1e-12)
+
+
+class LearnedScale(nn.Module):
+    """A learnable vector in nGPT's parameterization (§2.5): stored as `scale` and read as
+    stored * init / scale, so it starts at `init` and an Adam step of size lr moves it by
+    lr * init / scale (scale 1/sqrt(d) lets alpha, s_qk and s_z move as fast as the unit weights)."""
+
+    def __init__(self, size: int, init: float, scale: float):
+        super().__init__()
+        self.init, self.scale = init, scale
+        self.param = nn.Parameter(torch.full((size,), float(scale)))
+
+    def forward(self) -> torch.Tensor:
+        return self.param * (self.init / self.scale)
+
+    def extra_repr(self) -> str:
+        return f"size={self.param.numel()}, init={self.init:.4g}, scale={self.scale:.4g}"
+
+
+class SphereLinear(nn.Linear):
+    """A linear map whose weight vectors along the embedding axis have unit norm (nGPT §2.6), so a map
+    that reads the unit stream outputs cosines. `unit_dim` is the weight's axis of length n_embd: 1 for
+    maps that read the stream (q, k, v and the MLP's inputs: unit rows), 0 for maps that write it
+    (out_proj and the MLP's proj: unit columns), as NVIDIA/ngpt's `normalize_matrices` does.
+    `constrain_` restores the norms; `GPT.apply_parameter_constraints` calls it at init and after
+    every optimizer step. Biases (off in the paper) are left as they are."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit_dim: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.unit_dim = unit_dim
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.weight.copy_(F.normalize(self.weight, dim=self.unit_dim))
+
+
+class SphereEmbedding(nn.Embedding):
+    """An embedding table with unit rows (nGPT §2.1), restored by `constrain_` like `SphereLinear`."""
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.weight.copy_(F.normalize(self.weight, dim=1))
+
+
+class SphereHead(SphereLinear):
+    """nGPT's output head (§2.1, eq. 3): unit rows make the logits cosines in [-1, 1]; a learned scale
+    per vocabulary entry, s_z (init 1, scale 1/sqrt(d)), gives them back a usable temperature."""
+
+    def __init__(self, n_embd: int, vocab_size: int):
+        super().__init__(n_embd, vocab_size, bias=False, unit_dim=1)
+        self.s_z = LearnedScale(vocab_size, 1.0, n_embd**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.s_z()
+
+
+class NormalizedLerp(nn.Module):
+    """nGPT's residual update (eq. 10, 11): step from h toward the sub-layer's normalized output by a
+    learned amount per channel (the eigen learning rates alpha_A, alpha_M), then back onto the sphere:
+
+        h <- Norm(h + |alpha| * (Norm(y) - h))        alpha: init 0.05, scale 1/sqrt(d)
+
+    alpha enters as |alpha|, as in NVIDIA/ngpt's model.py (the paper asks for alpha > 0). That code also
+    normalizes h before the step ("normally not needed": h is a unit vector already, as the embeddings
+    are unit rows and every update ends in Norm); the paper does not, and neither does this (one
+    normalization fewer per update). With learned positions (not in the paper) the first update starts
+    from token + position, of norm near sqrt(2), and ends on the sphere like every other.
+    """
+
+    def __init__(self, dim: int, alpha_init: float, alpha_scale: float):
+        super().__init__()
+        self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return unit(x + self.alpha().abs() * (unit(y) - x))
+
+
+class SphereAttention(nn.Module):
+    """nGPT's attention (§2.3.2): q, k, v and out are unit-norm maps; after RoPE, q and k are put on the
+    unit sphere per head and multiplied by s_qk (eq. 15, 16: a vector of d_k per head, init 1, scale
+    1/sqrt(d)); the row's attn_scale "sqrt(d)" replaces 1/sqrt(d_k) for these unit vectors.
+
+    s_qk acts after RoPE, as in NVIDIA/ngpt (the paper's equations leave RoPE out). That code rotates
+    adjacent channel pairs, `apply_rope` the two halves: the same model up to a fixed permutation of
+    each head's channels. qk_norm=False drops the normalization and s_qk (the paper's Table 6 ablation).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, self.n_head = config.n_embd, config.n_head
+        self.head_dim = d // config.n_head
+        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, config.bias, unit_dim=1) for _ in range(3))
+        self.out_proj = SphereLinear(d, d, config.bias, unit_dim=0)
+        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.qk_norm else None
+        self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
+        self.dropout = config.dropout
+        self.rope = register_rope(self, config, self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rope:
+            q = apply_rope(q, self.rope_cos, self.rope_sin)
+            k = apply_rope(k, self.rope_cos, self.rope_sin)
+        if self.s_qk is not None:
+            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim)  # one vector per head
+            q, k = (unit(q) * s_qk).to(v.dtype), (unit(k) * s_qk).to(v.dtype)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SphereMLP(nn.Module):
+    """nGPT's MLP (§2.4.2): unit-norm maps, and u <- s_u * u, v <- s_v * sqrt(d) * v before u * SiLU(v)
+    (eq. 20, 21; s_u, s_v init 1, scale 1). The sqrt(d) lifts v, a cosine of order 1/sqrt(d), out of
+    SiLU's near-linear range.
+
+    NVIDIA/ngpt puts the sqrt(d) on u as well. Without biases (as in the paper) the MLP's output is
+    used only after Norm (eq. 11), which makes it 0-homogeneous in u: a constant on u changes neither
+    the forward pass nor any gradient, so the paper's form is followed and no option is needed. With
+    mlp="gelu" (not in the paper) the one input map feeds the nonlinearity and takes v's scaling.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, hidden = config.n_embd, mlp_width(config)
+        self.swiglu = config.mlp == "swiglu"
+        self.fc = SphereLinear(d, hidden, config.bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
+        self.gate = SphereLinear(d, hidden, config.bias, unit_dim=1) if self.swiglu else None  # v
+        self.proj = SphereLinear(hidden, d, config.bias, unit_dim=0)
+        self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
+        self.s_v = LearnedScale(hidden, 1.0, 1.0)
+        self.v_gain = math.sqrt(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.swiglu:
+            return self.proj(F.gelu(self.fc(x) * (self.s_v() * self.v_gain)))
+        u = self.fc(x) * self.s_u()
+        v = self.gate(x) * (self.s_v() * self.v_gain)
+        return self.proj(u * F.silu(v))
