@@ -69,6 +69,32 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 
 
+class UnitNormFunction(torch.autograd.Function):
+    """x / max(||x||, eps) over the last dim (`F.normalize`, nGPT's Norm) as one autograd node.
+
+    With u = x / ||x||, the gradient is (g - <g, u> u) / ||x||: the component of g along u is dropped
+    (u does not change when x is scaled). Below the eps floor x / eps is linear and g / eps passes
+    unprojected. Forward: a norm and a scaling; backward: a dot product and two passes, against the
+    eight or so of autograd through `F.normalize`. Only u and the per-token 1 / ||x|| are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        inverse = norm.clamp_min(eps).reciprocal()
+        out = x * inverse
+        ctx.save_for_backward(out, inverse, norm >= eps)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        out, inverse, above_floor = ctx.saved_tensors
+        grad = grad.to(out.dtype)
+        along = row_dot(grad, out) * above_floor
+        return torch.addcmul(grad, out, along, value=-1).mul_(inverse), None
+
+
 class GeodesicTerms(NamedTuple):
     """Per-token quantities of one geodesic step; every field but `v` has shape (..., 1)."""
 
@@ -164,13 +190,17 @@ class GeodesicStepFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm over the last dim (same parameters and state dict), computed by `RMSNormFunction`."""
+    """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or len(self.normalized_shape) != 1:
+        if self.weight is None:
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return RMSNormFunction.apply(x, self.weight, eps)
+        dims = len(self.normalized_shape)
+        if dims == 1:
+            return RMSNormFunction.apply(x, self.weight, eps)
+        # over several trailing dims (OLMo 2's q/k norm over all heads): the same node on their flattening
+        return RMSNormFunction.apply(x.flatten(-dims), self.weight.flatten(), eps).view(x.shape)
 
 
 class HeadwiseRMSNorm(nn.Module):

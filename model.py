@@ -338,10 +338,8 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     if not wanted:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
-    if scheme.qk_norm_span == "all":  # over both dims: torch's norm; per head: the fused node
-        norm = nn.RMSNorm((config.n_head, head_dim), eps=config.norm_eps)
-    else:
-        norm = RMSNorm(head_dim, eps=config.norm_eps)
+    shape = (config.n_head, head_dim) if scheme.qk_norm_span == "all" else head_dim  # one gain per channel
+    norm = RMSNorm(shape, eps=config.norm_eps)
     return norm if scheme.norm_affine else without_parameters(norm)
 
 

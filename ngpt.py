@@ -14,15 +14,16 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import apply_rope, mlp_width, register_rope, softmax_scale
+from layers import UnitNormFunction, apply_rope, mlp_width, register_rope, softmax_scale
 
 if TYPE_CHECKING:
     from model import GPTConfig
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector."""
-    return F.normalize(x, dim=-1, eps=1e-12)
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector
+    (`F.normalize`, computed by the fused `UnitNormFunction`)."""
+    return UnitNormFunction.apply(x, 1e-12)
 
 
 class LearnedScale(nn.Module):
@@ -97,7 +98,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return unit(x + self.alpha().abs() * (unit(y) - x))
+        return unit(torch.lerp(x, unit(y).to(x.dtype), self.alpha().abs().to(x.dtype)))  # x + |a| (unit(y) - x)
 
 
 class SphereAttention(nn.Module):

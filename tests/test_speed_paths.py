@@ -1,5 +1,5 @@
-"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm) against the formulas they replace,
-and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
+"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm, nGPT's unit norm) against the formulas
+they replace, and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
 
 import math
 import warnings
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn import functional as F
 
-from layers import GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction
+from layers import GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction, UnitNormFunction
 from model import GPT, GPTConfig
 
 
@@ -109,9 +110,10 @@ def test_rms_norm_function_passes_gradcheck(weight_shape):
     torch.testing.assert_close(RMSNormFunction.apply(x, w, 1e-5), rms_reference(x, w, 1e-5), rtol=1e-12, atol=1e-12)
 
 
-def test_rms_norm_matches_torch_rmsnorm_in_float32():
+@pytest.mark.parametrize("shape", [64, (4, 64)])  # over the last dim; over all heads (OLMo 2's q/k norm)
+def test_rms_norm_matches_torch_rmsnorm_in_float32(shape):
     torch.manual_seed(0)
-    ours, theirs = RMSNorm(64, eps=1e-5), nn.RMSNorm(64, eps=1e-5)
+    ours, theirs = RMSNorm(shape, eps=1e-5), nn.RMSNorm(shape, eps=1e-5)
     nn.init.normal_(theirs.weight, 1.0, 0.2)
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(8, 32, 4, 64)
@@ -149,6 +151,28 @@ def test_rms_norm_stays_on_bf16_kernels_under_autocast():
     for ours, exact in ((y, y64), (x.grad, x64.grad), (norm.weight.grad, w64.grad)):
         scale = exact.abs().max().item()
         assert (ours.double() - exact).abs().max().item() < 4 * 2**-8 * scale
+
+
+def unit_inputs() -> torch.Tensor:
+    """Rows of several lengths, one of them below the floor eps = 0.1 used with it (x / eps there)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(0.2, 3.0, 5, dtype=torch.float64)[:, None]
+    x = torch.randn(3, 5, 16, generator=g, dtype=torch.float64) * lengths
+    x[0, 0] *= 1e-3
+    return x.requires_grad_()
+
+
+def test_unit_norm_function_equals_f_normalize_and_passes_gradcheck():
+    x, eps = unit_inputs(), 0.1
+    assert torch.linalg.vector_norm(x[0, 0]) < eps < torch.linalg.vector_norm(x[0, 1])
+    assert torch.autograd.gradcheck(lambda x: UnitNormFunction.apply(x, eps), (x,))
+    upstream = torch.randn_like(x)
+    fused, reference = UnitNormFunction.apply(x, eps), F.normalize(x, dim=-1, eps=eps)
+    (grad_fused,) = torch.autograd.grad(fused, x, upstream)
+    (grad_reference,) = torch.autograd.grad(reference, x, upstream)
+    # float64, the same operations in another order: rounding only
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_fused, grad_reference, rtol=1e-10, atol=1e-12)
 
 
 def test_qk_norm_and_headwise_norm_use_the_fused_node():
