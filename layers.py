@@ -175,7 +175,8 @@ class GeodesicStepFunction(torch.autograd.Function):
         d_dot = d_q / radius.square()
         d_radius = (d_radius - 2 * q * d_q / radius) * (x_norm >= 1e-6)
         x_coef = (d_radius / x_norm).masked_fill(x_norm == 0, 0)
-        # ds = step g + v_coef v + d_dot x;  dx = cos g - q ds + d_dot s + x_coef x, with s = v + q x
+        # with dv = step g + v_coef v (the gradient reaching v):  ds = dv + d_dot x  and
+        # dx = cos g - q dv + d_dot s + x_coef x, written with s = v + q x
         grad_s = grad * step
         grad_s.addcmul_(v, v_coef).addcmul_(x, d_dot)
         grad_x = grad * (cos - q * step)
