@@ -133,22 +133,54 @@ def draw_panel(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: 
     return drawn
 
 
-def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = False, smooth_n: int = 1):
-    """A matplotlib Figure with one panel per metric and one curve per run (or per block)."""
+def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: str, x: str) -> int:
+    """One curve per group of runs that differ only in their seed: the mean over seeds at the x values every
+    run of the group logged, with the min-max band shaded; returns the number of curves drawn."""
+    groups: dict[str, list[str]] = {}
+    for d in runs:
+        groups.setdefault(labels[d], []).append(d)
+    for i, (label, dirs) in enumerate(groups.items()):
+        series = [dict(zip(*curves(runs[d], metric, x, per_block=False).get("", ([], [])), strict=True))
+                  for d in dirs]
+        xs = sorted(set.intersection(*(set(c) for c in series)))
+        if not xs:
+            continue
+        mean = [sum(c[v] for c in series) / len(series) for v in xs]
+        ax.plot(xs, mean, color=f"C{i % 10}", marker="o", markersize=3, label=f"{label} (mean of {len(dirs)} seeds)")
+        ax.fill_between(xs, [min(c[v] for c in series) for v in xs], [max(c[v] for c in series) for v in xs],
+                        color=f"C{i % 10}", alpha=0.25, linewidth=0)
+    return len(groups)
+
+
+def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = False, smooth_n: int = 1,
+         seed_means: bool = False, references: dict[str, float] | None = None, title: str | None = None):
+    """A matplotlib Figure with one panel per metric and one curve per run (or per block); with seed_means, one
+    curve per group of runs that differ only in the seed (mean, min-max band); reference lines; a title."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, rendered by Agg on save
 
     runs = {d: load_metrics(d) for d in out_dirs}
     for d, records in runs.items():
         if not records:
             raise SystemExit(f"error: {d} has no metrics.jsonl; pass the out_dir of a train.py run")
-    labels = differing_flags({d: run_config(d) for d in out_dirs})
+    configs = {d: run_config(d) for d in out_dirs}
+    if seed_means:
+        configs = {d: {k: v for k, v in cfg.items() if k != "seed"} if cfg else cfg for d, cfg in configs.items()}
+    labels = differing_flags(configs)
     long_labels = len(runs) > 1 and max(len(label) for label in labels.values()) > 40
     ncols = min(len(metrics), 3)
     nrows = math.ceil(len(metrics) / ncols)
-    fig = Figure(figsize=(5.5 * ncols, 3.8 * nrows), layout="constrained")
+    wide = long_labels or title is not None  # room for a long legend or title
+    fig = Figure(figsize=(max(5.5 * ncols, 10.0 if wide else 0.0), 3.8 * nrows + (0.6 if wide else 0.0)),
+                 layout="constrained")
     for k, metric in enumerate(metrics):
         ax = fig.add_subplot(nrows, ncols, k + 1)
-        if not draw_panel(ax, runs, labels, metric, x, smooth_n):
+        drawn = draw_seed_means(ax, runs, labels, metric, x) if seed_means else \
+            draw_panel(ax, runs, labels, metric, x, smooth_n)
+        for name, value in (references or {}).items():
+            ax.axhline(value, color="0.4", linestyle="--", linewidth=1)
+            ax.annotate(f"{name} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
+                        color="0.3", va="bottom")
+        if not drawn:
             logged = sorted({key for records in runs.values() for r in records if r.get("kind") != "status"
                              for key, v in r.items() if isinstance(v, (int, float, list)) and key != "iter"})
             raise SystemExit(f"error: no run logged '{metric}' against '{x}'; logged: {', '.join(logged)}")
@@ -160,8 +192,11 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
             ax.legend(fontsize="small")
     if long_labels:  # one legend for all panels, under them
         fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize="small")
-    if any(diverged_at(records) is not None for records in runs.values()):
-        fig.suptitle("x: where the run diverged (its status line)", fontsize="small")
+    notes = [title] if title else []
+    if any(diverged_at(records) is not None for records in runs.values()) and not seed_means:
+        notes.append("x: where the run diverged (its status line)")
+    if notes:
+        fig.suptitle("\n".join(notes), fontsize="small")
     return fig
 
 
@@ -299,9 +334,9 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
 
 
 def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png", x: str = "iter",
-              logy: bool = False, smooth_n: int = 1) -> str:
-    """Draw the runs' metrics into a PNG at out_path and return the path."""
-    fig = draw(out_dirs, metrics, x=x, logy=logy, smooth_n=smooth_n)
+              logy: bool = False, smooth_n: int = 1, **options) -> str:
+    """Draw the runs' metrics into a PNG at out_path and return the path (options: see `draw`)."""
+    fig = draw(out_dirs, metrics, x=x, logy=logy, smooth_n=smooth_n, **options)
     if os.path.dirname(out_path):
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fig.savefig(out_path, dpi=100)
@@ -315,7 +350,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr_sweep", action="store_true", help="draw final val loss against learning rate "
                         "from sweep.py --lr_grid out_roots (their summary.json)")
     parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
-                        help="with --lr_sweep: a horizontal reference line, e.g. 'zero predictor=1.0' (repeatable)")
+                        help="a horizontal reference line, e.g. 'zero predictor=1.0' (repeatable)")
+    parser.add_argument("--seed_means", action="store_true", help="one curve per group of runs that differ only "
+                        "in their seed: the mean, with the min-max band over seeds shaded")
+    parser.add_argument("--title", help="the figure's title: state the setup (model, steps, seeds)")
     parser.add_argument("--metric", default="val_loss", help="comma-separated: loss, val_loss, block_rms[-1], ...")
     parser.add_argument("--x", default="iter", help="the key on the x axis (default: iter)")
     parser.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
@@ -323,14 +361,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
     args = parser.parse_args(argv)
     args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    refs = {}
+    for item in args.ref:
+        name, _, value = item.rpartition("=")
+        try:
+            refs[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"error: --ref {item!r}: write NAME=VALUE with a number") from None
     if args.lr_sweep:
-        refs = {}
-        for item in args.ref:
-            name, _, value = item.rpartition("=")
-            try:
-                refs[name] = float(value)
-            except ValueError:
-                raise SystemExit(f"error: --ref {item!r}: write NAME=VALUE with a number") from None
         fig = draw_lr_sensitivity(args.out_dirs, refs)
         out = args.out if args.out != "runs.png" else "lr_sensitivity.png"
         if os.path.dirname(out):
@@ -338,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         fig.savefig(out, dpi=110)
         print(f"wrote {out}")
         return
-    path = plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth)
+    path = plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth,
+                     seed_means=args.seed_means, references=refs, title=args.title)
     print(f"wrote {path}")
 
 

@@ -181,6 +181,27 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < out.stat().st_size < 500_000
 
 
+def test_seed_means_draw_one_curve_per_setting_with_its_mean_and_band(tmp_path, monkeypatch):
+    losses = {("pre", 1): [4.0, 3.0, 2.0], ("pre", 2): [4.2, 3.2, 2.4], ("ngpt", 1): [4.0, 2.5, 2.2],
+              ("ngpt", 2): [4.0, 2.7, 2.2]}
+    configs = {}
+    for (scheme, seed), ys in losses.items():
+        run = tmp_path / f"{scheme}_{seed}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "eval", "iter": 50 * i, "val_loss": y}) + "\n"
+                                                   for i, y in enumerate(ys)))
+        configs[str(run)] = {"norm_scheme": scheme, "seed": seed}
+    monkeypatch.setattr(plot, "run_config", lambda d: configs[d])
+    fig = plot.draw(list(configs), ["val_loss"], seed_means=True, references={"target": 2.2}, title="setup")
+    ax = fig.axes[0]
+    curves = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines() if line.get_label()[0] != "_"}
+    assert curves["norm_scheme=pre (mean of 2 seeds)"] == pytest.approx([4.1, 3.1, 2.2])
+    assert curves["norm_scheme=ngpt (mean of 2 seeds)"] == pytest.approx([4.0, 2.6, 2.2])
+    assert len(ax.collections) == 2  # one min-max band per setting
+    assert any(list(line.get_ydata()) == [2.2, 2.2] for line in ax.get_lines())  # the reference line
+    assert fig._suptitle.get_text() == "setup"
+
+
 # ----------------------------------------------------------------------------- learning-rate sweeps and verdicts
 
 
