@@ -232,8 +232,8 @@ def load_lr_sweeps(roots: list[str]) -> dict:
             summary = json.load(f)
         if "lr_points" not in summary:
             raise SystemExit(f"error: {root} is a sweep without --lr_grid; --lr_sweep needs one with it")
-        merged["runs"] += summary["runs"]
-        merged["lr_points"] += summary["lr_points"]
+        merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
+        merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
         merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
         merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
@@ -257,6 +257,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     """Final val loss against learning rate (log axis), one curve per grid point from its first-seed runs;
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
     horizontal reference lines (the unigram loss of a language-model sweep, or those given)."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     sweep = load_lr_sweeps(roots)
@@ -267,12 +268,17 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         if uni is not None:
             refs["unigram (context ignored)"] = uni
     first_seed = min((r["seed"] for r in sweep["runs"]), default=None)
+    labels = [point_label(p, keys) for p in sweep["lr_points"]]
+    for point, label in zip(sweep["lr_points"], labels, strict=True):  # one setting in two sweeps: name the sweep
+        point["label"] = label + (f" ({os.path.basename(os.path.normpath(point['root']))})"
+                                  if labels.count(label) > 1 else "")
     curves: dict[str, dict[float, float]] = {}
     failed: dict[str, list[float]] = {}
     for point in sweep["lr_points"]:
-        label = point_label(point, keys)
+        label = point["label"]
         for r in sweep["runs"]:
-            if r["seed"] != first_seed or any(str(r.get(k)) != str(point[k]) for k in keys):
+            if r["seed"] != first_seed or r["root"] != point["root"] or any(
+                    str(r.get(k)) != str(point.get(k)) for k in keys):
                 continue
             loss = r.get("val_loss")
             ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \
@@ -296,9 +302,10 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     top = high + 0.08 * (high - low or 1.0)  # the band where diverged runs are marked
     fig = Figure(figsize=(11, 5.0), layout="constrained")
     ax = fig.add_subplot()
+    palette = [f"C{i}" for i in range(10)] if len(order) <= 10 else list(colormaps["tab20"].colors)
     for i, point in enumerate(order):
-        label = point_label(point, keys)
-        color = f"C{i % 10}"
+        label = point["label"]
+        color = palette[i % len(palette)]
         xs = sorted(curves.get(label, {}))
         best = point.get("best_lr")
         mean_std = point.get("val_loss_mean_std") or "-"
