@@ -529,8 +529,10 @@ def best_lr_runs(root: str, point: dict) -> dict[int, str]:
     """{seed: out_dir} of one --lr_grid sweep point's runs at its best rate (from root/summary.json)."""
     summary = read_json(os.path.join(root, "summary.json"))
     keys, lr_key = summary.get("keys", []), summary.get("lr_key", "learning_rate")
-    match = {**point, lr_key: next(p["best_lr"] for p in summary["lr_points"]
-                                   if all(str(p[k]) == str(point.get(k)) for k in keys))}
+    best = [p["best_lr"] for p in summary.get("lr_points", []) if all(str(p[k]) == str(point.get(k)) for k in keys)]
+    if not best:
+        raise SweepError(f"{point} is no point of the --lr_grid sweep in {root}")
+    match = {**point, lr_key: best[0]}
     return {r["seed"]: r["out_dir"] for r in summary["runs"] if all(str(r.get(k)) == str(v) for k, v in match.items())}
 
 

@@ -286,6 +286,8 @@ def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(dat
     assert len(set(labels)) == 4 and "norm_scheme=pre (lr_twin)" in labels
     assert sum("verdict" in row for row in board) == 3
     at_best = sweep.best_lr_runs(out_root, {"norm_scheme": "post"})
+    with pytest.raises(sweep.SweepError):
+        sweep.best_lr_runs(out_root, {"norm_scheme": "rms"})
     assert sorted(at_best) == [1, 2] and all(f"learning_rate={summary['lr_points'][1]['best_lr']}" in d
                                              for d in at_best.values())
 
