@@ -26,6 +26,13 @@ def unit(x: torch.Tensor) -> torch.Tensor:
     return UnitNormFunction.apply(x, 1e-12)
 
 
+@torch.no_grad()
+def unit_(weight: torch.Tensor, dim: int) -> None:
+    """Scale the weight's vectors along `dim` to unit norm in place (`F.normalize`'s division, without its
+    temporaries): the constraint `SphereLinear` and `SphereEmbedding` restore after every step."""
+    weight.div_(torch.linalg.vector_norm(weight, dim=dim, keepdim=True).clamp_min_(1e-12))
+
+
 class LearnedScale(nn.Module):
     """A learnable vector in nGPT's parameterization (§2.5): stored as `scale` and read as
     stored * init / scale, so it starts at `init` and an Adam step of size lr moves it by
@@ -57,7 +64,7 @@ class SphereLinear(nn.Linear):
 
     @torch.no_grad()
     def constrain_(self) -> None:
-        self.weight.copy_(F.normalize(self.weight, dim=self.unit_dim))
+        unit_(self.weight, self.unit_dim)
 
 
 class SphereEmbedding(nn.Embedding):
@@ -65,7 +72,7 @@ class SphereEmbedding(nn.Embedding):
 
     @torch.no_grad()
     def constrain_(self) -> None:
-        self.weight.copy_(F.normalize(self.weight, dim=1))
+        unit_(self.weight, 1)
 
 
 class SphereHead(SphereLinear):
@@ -130,8 +137,8 @@ class SphereAttention(nn.Module):
             q = apply_rope(q, self.rope_cos, self.rope_sin)
             k = apply_rope(k, self.rope_cos, self.rope_sin)
         if self.s_qk is not None:
-            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim)  # one vector per head
-            q, k = (unit(q) * s_qk).to(v.dtype), (unit(k) * s_qk).to(v.dtype)
+            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim).to(q.dtype)  # one vector per head
+            q, k = unit(q) * s_qk, unit(k) * s_qk
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0)
@@ -161,8 +168,11 @@ class SphereMLP(nn.Module):
         self.v_gain = math.sqrt(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the scales are cast to the maps' output dtype, as autocast casts weights: the wide hidden
+        # activations stay in bf16 instead of being promoted to float32 by a float32 scale
+        v_scale = self.s_v() * self.v_gain
         if not self.swiglu:
-            return self.proj(F.gelu(self.fc(x) * (self.s_v() * self.v_gain)))
-        u = self.fc(x) * self.s_u()
-        v = self.gate(x) * (self.s_v() * self.v_gain)
-        return self.proj(u * F.silu(v))
+            h = self.fc(x)
+            return self.proj(F.gelu(h * v_scale.to(h.dtype)))
+        u, v = self.fc(x), self.gate(x)
+        return self.proj(u * self.s_u().to(u.dtype) * F.silu(v * v_scale.to(v.dtype)))

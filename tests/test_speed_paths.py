@@ -175,6 +175,24 @@ def test_unit_norm_function_equals_f_normalize_and_passes_gradcheck():
     torch.testing.assert_close(grad_fused, grad_reference, rtol=1e-10, atol=1e-12)
 
 
+def test_unit_norm_function_in_bf16_is_within_rounding_of_float64():
+    """bf16 takes `row_dot`'s other branch (vecdot instead of a batched matrix product) in the backward."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 32, 64).bfloat16().requires_grad_()
+    upstream = torch.randn(8, 4, 32, 64).bfloat16()
+    y = UnitNormFunction.apply(x, 1e-12)
+    y.backward(upstream)
+    x64 = x.detach().double().requires_grad_()
+    y64 = F.normalize(x64, dim=-1)
+    y64.backward(upstream.double())
+    assert y.dtype == x.grad.dtype == torch.bfloat16
+    # bf16 keeps 8 significant bits (relative step 2^-8): u rounds once; the gradient (g - <g,u> u) / ||x||
+    # rounds the products of the dot product, the difference and the scaling, so allow 4 steps of its scale
+    for ours, exact in ((y, y64), (x.grad, x64.grad)):
+        scale = exact.abs().max().item()
+        assert (ours.double() - exact).abs().max().item() < 4 * 2**-8 * scale
+
+
 def test_qk_norm_and_headwise_norm_use_the_fused_node():
     model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, norm_scheme="dnt",
                           norm="headwise"))
