@@ -80,7 +80,19 @@ def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
     for name, cfg in runs.items():
         short = os.path.basename(os.path.normpath(name))
         labels[name] = ", ".join(f"{k}={value(cfg, k)}" for k in differ) if cfg is not None and differ else short
+    # a run without a config (one that diverged before its first checkpoint) takes the label of a run that
+    # sits beside it under the same name but for its seed: its sweep sibling
+    by_point = {seedless(name): labels[name] for name, cfg in runs.items() if cfg is not None}
+    for name, cfg in runs.items():
+        if cfg is None and differ:
+            labels[name] = by_point.get(seedless(name), labels[name])
     return labels
+
+
+def seedless(name: str) -> str:
+    """A run's path without the seed in its last part: sweep.py's out_dirs of one grid point share it."""
+    head, tail = os.path.split(os.path.normpath(name))
+    return os.path.join(head, re.sub(r"(^|,)seed=\d+", "", tail))
 
 
 def diverged_at(records: list[dict]) -> int | None:
@@ -140,15 +152,27 @@ def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], met
     for d in runs:
         groups.setdefault(labels[d], []).append(d)
     for i, (label, dirs) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        trained = [d for d in dirs if diverged_at(runs[d]) is None]
+        for d in dirs:  # a diverged seed stays out of the mean, drawn alone: dashed, ending in an x
+            stop = diverged_at(runs[d])
+            xs, ys = curves(runs[d], metric, x, per_block=False).get("", ([], []))
+            finite = [(u, y) for u, y in zip(xs, ys, strict=True) if math.isfinite(y)]
+            if stop is not None and finite:
+                ax.plot(*zip(*finite, strict=True), color=color, linestyle="--", linewidth=1)
+                ax.plot(stop if x == "iter" else finite[-1][0], finite[-1][1], "x", color=color, markersize=10, mew=2)
         series = [dict(zip(*curves(runs[d], metric, x, per_block=False).get("", ([], [])), strict=True))
-                  for d in dirs]
-        xs = sorted(set.intersection(*(set(c) for c in series)))
+                  for d in trained]
+        xs = sorted(set.intersection(*(set(c) for c in series))) if series else []
+        diverged = f"; {len(dirs) - len(trained)} diverged: dashed, x" if len(trained) < len(dirs) else ""
         if not xs:
+            ax.plot([], [], color=color, linestyle="--", label=f"{label} ({len(dirs)} seeds, every one diverged)")
             continue
         mean = [sum(c[v] for c in series) / len(series) for v in xs]
-        ax.plot(xs, mean, color=f"C{i % 10}", marker="o", markersize=3, label=f"{label} (mean of {len(dirs)} seeds)")
+        ax.plot(xs, mean, color=color, marker="o", markersize=3,
+                label=f"{label} (mean of {len(trained)} seeds{diverged})")
         ax.fill_between(xs, [min(c[v] for c in series) for v in xs], [max(c[v] for c in series) for v in xs],
-                        color=f"C{i % 10}", alpha=0.25, linewidth=0)
+                        color=color, alpha=0.25, linewidth=0)
     return len(groups)
 
 

@@ -202,6 +202,30 @@ def test_seed_means_draw_one_curve_per_setting_with_its_mean_and_band(tmp_path, 
     assert fig._suptitle.get_text() == "setup"
 
 
+def test_seed_means_keep_a_diverged_seed_out_of_the_mean_and_name_it(tmp_path, monkeypatch):
+    """A seed that diverged before its first checkpoint has no config: it joins its sweep siblings' curve by
+    its out_dir's name, stays out of their mean, and is counted in the label."""
+    configs = {}
+    for seed, ys in ((1, [4.0, 3.0, 2.0]), (2, [4.2, 3.2, 2.4]), (3, [4.1, float("nan")])):
+        run = tmp_path / "sweep" / f"learning_rate=1e-2,seed={seed}"
+        run.mkdir(parents=True)
+        lines = [{"kind": "eval", "iter": 50 * i, "val_loss": y} for i, y in enumerate(ys)]
+        if seed == 3:
+            lines.append({"kind": "status", "status": "diverged", "iter": 60})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        configs[str(run)] = None if seed == 3 else {"optimizer": "adamw", "seed": seed}
+    other = tmp_path / "other" / "seed=1"
+    other.mkdir(parents=True)
+    (other / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 0, "val_loss": 4.0}) + "\n")
+    configs[str(other)] = {"optimizer": "muon", "seed": 1}
+    monkeypatch.setattr(plot, "run_config", lambda d: configs[d])
+    ax = plot.draw(list(configs), ["val_loss"], seed_means=True).axes[0]
+    curves = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines() if line.get_label()[0] != "_"}
+    assert curves["optimizer=adamw (mean of 2 seeds; 1 diverged: dashed, x)"] == pytest.approx([4.1, 3.1, 2.2])
+    assert curves["optimizer=muon (mean of 1 seeds)"] == pytest.approx([4.0])
+    assert any(line.get_marker() == "x" and line.get_xdata()[0] == 60 for line in ax.get_lines())
+
+
 # ----------------------------------------------------------------------------- learning-rate sweeps and verdicts
 
 
