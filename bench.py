@@ -39,6 +39,7 @@ from train import device_peak_flops
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
+    "cpu_wide": (4, 8, 512, 256, 8, 96),  # the same at twice the width: matmuls 4x, elementwise passes 2x
     "small": (4, 4, 128, 128, 16, 80),  # configs/quickstart.py
     "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
     "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test
