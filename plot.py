@@ -147,27 +147,30 @@ def draw_panel(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: 
 
 def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: str, x: str) -> int:
     """One curve per group of runs that differ only in their seed: the mean over seeds at the x values every
-    run of the group logged, with the min-max band shaded; returns the number of curves drawn."""
+    run of the group logged, with the min-max band shaded; a diverged seed stays out of the mean, drawn on
+    its own and counted in the label. Returns the number of curves drawn."""
     groups: dict[str, list[str]] = {}
     for d in runs:
         groups.setdefault(labels[d], []).append(d)
     for i, (label, dirs) in enumerate(groups.items()):
         color = f"C{i % 10}"
+        points = {d: dict(zip(*curves(runs[d], metric, x, per_block=False).get("", ([], [])), strict=True))
+                  for d in dirs}
         trained = [d for d in dirs if diverged_at(runs[d]) is None]
-        for d in dirs:  # a diverged seed stays out of the mean, drawn alone: dashed, ending in an x
-            stop = diverged_at(runs[d])
-            xs, ys = curves(runs[d], metric, x, per_block=False).get("", ([], []))
-            finite = [(u, y) for u, y in zip(xs, ys, strict=True) if math.isfinite(y)]
-            if stop is not None and finite:
+        for d in [d for d in dirs if d not in trained]:  # out of the mean, drawn alone: dashed, ending in an x
+            finite = [(u, y) for u, y in points[d].items() if math.isfinite(y)]
+            if finite:
                 ax.plot(*zip(*finite, strict=True), color=color, linestyle="--", linewidth=1)
-                ax.plot(stop if x == "iter" else finite[-1][0], finite[-1][1], "x", color=color, markersize=10, mew=2)
-        series = [dict(zip(*curves(runs[d], metric, x, per_block=False).get("", ([], [])), strict=True))
-                  for d in trained]
-        xs = sorted(set.intersection(*(set(c) for c in series))) if series else []
-        diverged = f"; {len(dirs) - len(trained)} diverged: dashed, x" if len(trained) < len(dirs) else ""
-        if not xs:
-            ax.plot([], [], color=color, linestyle="--", label=f"{label} ({len(dirs)} seeds, every one diverged)")
+                ax.plot(diverged_at(runs[d]) if x == "iter" else finite[-1][0], finite[-1][1], "x", color=color,
+                        markersize=10, mew=2)
+        if not trained:
+            ax.plot([], [], color=color, linestyle="--", label=f"{label} (every one of {len(dirs)} seeds diverged)")
             continue
+        series = [points[d] for d in trained]
+        xs = sorted(set.intersection(*(set(c) for c in series)))
+        if not xs:
+            continue
+        diverged = f"; {len(dirs) - len(trained)} diverged: dashed, x" if len(trained) < len(dirs) else ""
         mean = [sum(c[v] for c in series) / len(series) for v in xs]
         ax.plot(xs, mean, color=color, marker="o", markersize=3,
                 label=f"{label} (mean of {len(trained)} seeds{diverged})")
