@@ -280,10 +280,11 @@ def hidden_curves(curves: dict[str, dict[float, float]], tol: float = 2e-3) -> l
             and all(abs(curves[a][x] - curves[b][x]) < tol for x in shared)]
 
 
-def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = None):
+def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = None, heading: str | None = None):
     """Final val loss against learning rate (log axis), one curve per grid point from its first-seed runs;
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
-    horizontal reference lines (the unigram loss of a language-model sweep, or those given)."""
+    horizontal reference lines (the unigram loss of a language-model sweep, or those given); `heading` (--title)
+    goes above the setup line the sweeps' summaries give."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
@@ -363,7 +364,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     hidden = hidden_curves(curves)
     if hidden:
         title += "\nhidden under another curve: " + "; ".join(f"{a} under {b}" for a, b in hidden)
-    fig.suptitle(title, fontsize="small")
+    fig.suptitle(f"{heading}\n{title}" if heading else title, fontsize="small")
     return fig
 
 
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a horizontal reference line, e.g. 'zero predictor=1.0' (repeatable)")
     parser.add_argument("--seed_means", action="store_true", help="one curve per group of runs that differ only "
                         "in their seed: the mean, with the min-max band over seeds shaded")
-    parser.add_argument("--title", help="the figure's title: state the setup (model, steps, seeds)")
+    parser.add_argument("--title", help="the figure's title: state the setup (model, steps, seeds); with "
+                        "--lr_sweep, a heading above the setup line read from the sweeps")
     parser.add_argument("--metric", default="val_loss", help="comma-separated: loss, val_loss, block_rms[-1], ...")
     parser.add_argument("--x", default="iter", help="the key on the x axis (default: iter)")
     parser.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
@@ -403,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError:
             raise SystemExit(f"error: --ref {item!r}: write NAME=VALUE with a number") from None
     if args.lr_sweep:
-        fig = draw_lr_sensitivity(args.out_dirs, refs)
+        fig = draw_lr_sensitivity(args.out_dirs, refs, heading=args.title)
         out = args.out if args.out != "runs.png" else "lr_sensitivity.png"
         if os.path.dirname(out):
             os.makedirs(os.path.dirname(out), exist_ok=True)

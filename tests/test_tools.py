@@ -351,7 +351,7 @@ def test_lr_sensitivity_figure_marks_divergence_spread_references_and_setup(tmp_
              "max_iters": 400, "optimizer": "adamw", "seeds": 2}
     (tmp_path / "summary.json").write_text(json.dumps({"setup": setup, "lr_key": "learning_rate",
                                                         "keys": ["norm_scheme"], "runs": runs, "lr_points": points}))
-    fig = plot.draw_lr_sensitivity([str(tmp_path)], {"zero predictor": 2.5})
+    fig = plot.draw_lr_sensitivity([str(tmp_path)], {"zero predictor": 2.5}, heading="the schemes compared")
     ax = fig.axes[0]
     assert ax.get_xscale() == "log"
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -360,6 +360,7 @@ def test_lr_sensitivity_figure_marks_divergence_spread_references_and_setup(tmp_
     assert len(crosses) == 2 and len({line.get_ydata()[0] for line in crosses}) == 2  # one per scheme, not stacked
     assert any(list(line.get_ydata()) == [2.5, 2.5] for line in ax.get_lines())  # the reference line
     title = fig._suptitle.get_text()
+    assert title.startswith("the schemes compared\n")  # --title heads the setup line, which stays
     assert "L4 d128" in title and "400 steps" in title and "2 seeds" in title
     assert "rms under pre" in title or "pre under rms" in title  # the two curves coincide: said, not hidden
     out = tmp_path / "lr.png"
