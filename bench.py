@@ -13,6 +13,7 @@ than it was not measured.
     python bench.py --schemes pre,geonorm --optimizers none --rounds 60
     python bench.py --threads 1 --clock cpu          # on a machine shared with other jobs
     python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
+    python bench.py --schemes geonorm,dnt --optimizers none --profile 5   # which ops cost the time
 
 MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
 the datasheet dense bf16 peak on a known GPU; on a CPU, a matmul peak measured by this run.
@@ -153,6 +154,51 @@ def process_time_peak_flops(dtype: torch.dtype) -> float:
     return 2 * 2048**3 / best
 
 
+def profile_ops(cases: dict[str, Callable[[], None]], device: str, steps: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per step of each op, per case: the median over `steps` steps, each under torch.profiler,
+    interleaved across the cases as `time_interleaved` does (a slow patch of the machine would otherwise
+    land on whichever case was profiled then). An op's time is its self time: an aten op's own kernels
+    (on the GPU when there is one), a fused autograd node's (one of layers.py's, or its backward) Python
+    time between the ops it calls. The profiler adds a little time to every op it records, so a case
+    made of many small ops looks slower under it than it is: take ratios from the timing table and
+    the profile for where the time goes."""
+    cuda = device.startswith("cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    steps_ms: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    order, shuffle = list(cases), random.Random(1).shuffle
+    for _ in range(steps):
+        shuffle(order)
+        for name in order:
+            with torch.profiler.profile(activities=activities) as prof:
+                cases[name]()
+                sync(device)
+            ops = prof.key_averages()
+            steps_ms[name].append({e.key: getattr(e, field) / 1000 for e in ops if getattr(e, field) > 0})
+    return {name: {op: statistics.median(step.get(op, 0.0) for step in runs) for op in set().union(*runs)}
+            for name, runs in steps_ms.items()}
+
+
+def report_profile(ops: dict[str, dict[str, float]], baseline: str, top: int = 15) -> None:
+    """The ops whose time differs most from the baseline's, ms per step and the difference, and the totals."""
+    names = [n for n in ops if n != baseline]
+    keys = set().union(*ops.values())
+    delta = {k: max((abs(ops[n].get(k, 0.0) - ops[baseline].get(k, 0.0)) for n in names), default=0.0) for k in keys}
+    rows = sorted(keys, key=lambda k: -(delta[k] if names else ops[baseline].get(k, 0.0)))[:top]
+    print(f"\nWhere the time goes (profiler, ms per step, each op's median over steps; in brackets the "
+          f"difference from {baseline})\n")
+    print(f"| op | {baseline} | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * (len(names) + 1))
+
+    def cells(pick) -> str:
+        base = pick(ops[baseline])
+        return f"{base:.2f} | " + " | ".join(f"{pick(ops[n]):.2f} ({pick(ops[n]) - base:+.2f})" for n in names)
+
+    for k in rows:
+        print(f"| {k} | " + cells(lambda case, k=k: case.get(k, 0.0)) + " |")
+    print("| all ops | " + cells(lambda case: sum(case.values())) + " |")
+
+
 def peak_memory(fn: Callable[[], None], device: str) -> float:
     if not device.startswith("cuda"):
         return float("nan")
@@ -216,13 +262,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
               device: str = "cpu", dtype: str = "auto", compile_model: bool = False, rounds: int = 20,
               warmup: int = 3, nanogpt: str | None = None, threads: int | None = None,
-              clock: str = "wall") -> dict[str, list[dict]]:
+              clock: str = "wall", profile: int = 0) -> dict[str, list[dict]]:
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
     seconds (median over rounds), ratio (median over rounds of the ratio to "pre" or "adamw" timed in
     the same round), ratio_q1 and ratio_q3 (its quartiles over rounds), ratio_lo and ratio_hi (the
     median's 95% confidence interval), tokens_per_s, mfu, peak_gib and state_bytes. schemes /
     optimizers None means all; [] skips that table. threads sets torch's CPU threads; clock is
-    "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin)."""
+    "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin). profile > 0
+    also profiles that many steps of each case and prints the ops where each differs most from the
+    baseline; the per-op times are in tables["profile_schemes"] and tables["profile_optimizers"]."""
     if threads is not None:
         torch.set_num_threads(threads)
     schemes = list(SCHEME_CASES) if schemes is None else schemes
@@ -270,10 +318,17 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
             flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
         tables["schemes"] = measure(cases, flops, states, "pre")
         report("Schemes, AdamW step", tables["schemes"], "pre", rounds)
+        if profile:
+            tables["profile_schemes"] = profile_ops(cases, device, profile)
+            report_profile(tables["profile_schemes"], "pre")
     if optimizers:
         variants = {name: (model_config(shape), name) for name in dict.fromkeys(["adamw", *optimizers])}
-        tables["optimizers"] = measure(*build_all(variants), "adamw")
+        cases, flops, states = build_all(variants)
+        tables["optimizers"] = measure(cases, flops, states, "adamw")
         report("Optimizers, Pre-Norm step", tables["optimizers"], "adamw", rounds)
+        if profile:
+            tables["profile_optimizers"] = profile_ops(cases, device, profile)
+            report_profile(tables["profile_optimizers"], "adamw")
     return tables
 
 
@@ -300,14 +355,19 @@ def main() -> None:
     p.add_argument("--clock", choices=CLOCKS, default="wall",
                    help="wall time, or this process's CPU time (other processes on a shared machine do not "
                         "inflate it; use with --threads 1, since idle threads spin)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps of each case (torch.profiler, interleaved like the timed "
+                        "rounds) and print the ops where each case spends more or less time than the baseline")
     args = p.parse_args()
+    if args.profile < 0:
+        p.error(f"--profile takes a number of steps >= 0, got {args.profile}")
     unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
     if unknown:
         p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
     if args.clock == "cpu" and not args.device.startswith("cpu"):
         p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
     run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
-              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock)
+              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from model import SCHEMES
 @pytest.fixture(scope="module")
 def tables():
     return bench.run_bench("tiny", schemes=["geonorm", "dnt"], optimizers=["sgdw", "muon"], dtype="float32",
-                           rounds=3, warmup=0)
+                           rounds=3, warmup=0, profile=1)
 
 
 def test_bench_times_every_requested_scheme_against_pre(tables):
@@ -33,6 +33,26 @@ def test_bench_reports_optimizer_state_relative_to_adamw(tables):
     assert sgdw < adamw / 2 < sgdw * 1.05
     # Muon keeps one buffer for the hidden matrices and AdamW's two moments for the rest
     assert sgdw < muon < adamw
+
+
+def test_bench_profile_attributes_each_scheme_its_own_ops(tables, capsys):
+    ops = tables["profile_schemes"]
+    assert set(ops) == {"pre", "geonorm", "dnt"}
+    # the geodesic step's fused node runs in GeoNorm only, the q/k RMSNorm's in DNT only (Pre-Norm: LayerNorm)
+    assert "GeodesicStepFunction" in ops["geonorm"] and "GeodesicStepFunctionBackward" in ops["geonorm"]
+    assert "RMSNormFunction" in ops["dnt"] and "GeodesicStepFunction" not in ops["dnt"]
+    assert not {"GeodesicStepFunction", "RMSNormFunction"} & set(ops["pre"])
+    assert all(t > 0 for case in ops.values() for t in case.values())
+    assert set(tables["profile_optimizers"]) == {"adamw", "sgdw", "muon"}
+
+
+def test_report_profile_ranks_ops_by_their_difference_from_the_baseline(capsys):
+    ops = {"pre": {"mm": 10.0, "add": 1.0}, "case": {"mm": 10.5, "add": 1.0, "geodesic": 3.0}}
+    bench.report_profile(ops, "pre")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| op | pre | case |"
+    assert [line.split(" | ")[0] for line in lines[1:]] == ["| geodesic", "| mm", "| add", "| all ops"]
+    assert lines[-1] == "| all ops | 11.00 | 14.50 (+3.50) |"
 
 
 def test_bench_lists_every_scheme_and_dyt_and_derf_in_pre_norm():
