@@ -389,11 +389,12 @@ def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dic
         raise SweepError(str(e)) from None
     followers = [*lr_keys[1:], *(["min_lr"] if "learning_rate" in lr_keys and "min_lr" not in fixed else [])]
     values = {k: getattr(cfg, k, None) for k in lr_keys + followers}
-    missing = [k for k, v in values.items() if not isinstance(v, (int, float)) or v <= 0]
-    if missing:
-        raise SweepError(f"--lr_keys: {', '.join(missing)} must have a positive value in the config or --set "
-                         "to keep its ratio to the swept rate")
     first = lr_keys[0]
+    # a follower at 0 keeps ratio 0 (a schedule that decays to zero); the swept key must be positive
+    missing = [k for k, v in values.items() if not isinstance(v, (int, float)) or v < 0 or (k == first and v == 0)]
+    if missing:
+        raise SweepError(f"--lr_keys: {', '.join(missing)} must have a value in the config or --set (positive for "
+                         f"{first}, >= 0 for the keys that keep their ratio to it)")
     return first, {k: values[k] / values[first] for k in followers if k != first}
 
 

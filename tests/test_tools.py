@@ -335,6 +335,16 @@ def test_lr_sweep_refuses_a_swept_key_in_the_grid_and_bad_rates():
     assert sweep.main([CONFIG, "--lr_grid", "1e-3", "--lr_keys", "matrix_lr", "--dry_run"]) == 2  # None in config
 
 
+def test_lr_sweep_keeps_a_zero_floor_at_zero(capsys):
+    # the ICL configs decay to min_lr = 0 (WSD): the floor stays 0 at every swept rate, and a second
+    # rate key follows the first at its config ratio (Muon's two rates are equal there)
+    icl = os.path.join(ROOT, "configs", "icl_small_lipschitz_muon.py")
+    assert sweep.main([icl, "--lr_grid", "1e-2", "--lr_keys", "matrix_lr+learning_rate", "--dry_run"]) == 0
+    command = capsys.readouterr().out.strip().splitlines()[-1]
+    assert {"--matrix_lr=1e-2", "--learning_rate=0.01", "--min_lr=0"} <= set(command.split())
+    assert sweep.main([icl, "--lr_grid", "1e-2", "--lr_keys", "matrix_lr", "--set", "matrix_lr=0", "--dry_run"]) == 2
+
+
 def test_lr_sensitivity_figure_marks_divergence_spread_references_and_setup(tmp_path):
     def run(scheme, lr, seed, val, diverged=None):
         return {"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": val, "diverged_at": diverged,
