@@ -35,7 +35,7 @@ def test_bench_reports_optimizer_state_relative_to_adamw(tables):
     assert sgdw < muon < adamw
 
 
-def test_bench_profile_attributes_each_scheme_its_own_ops(tables, capsys):
+def test_bench_profile_attributes_each_scheme_its_own_ops(tables):
     ops = tables["profile_schemes"]
     assert set(ops) == {"pre", "geonorm", "dnt"}
     # the geodesic step's fused node runs in GeoNorm only, the q/k RMSNorm's in DNT only (Pre-Norm: LayerNorm)
