@@ -55,7 +55,7 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
            "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
            "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
-           "run_minutes": ("run time (min)", "{:.1f}")}
+           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}")}
 JOBS_HELP = """runs at a time: N, or auto = max(1, cores // threads_per_run). Each run gets OMP_NUM_THREADS=
 threads_per_run, by default all cores, so auto runs one at a time: torch already spreads a run's matmuls over
 every core, and runs sharing cores gain little while their ms/iter measures the contention, not the model.
@@ -398,6 +398,32 @@ def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dic
     return first, {k: values[k] / values[first] for k in followers if k != first}
 
 
+def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
+    """The runs of one grid point on its first seed: the seed that ran the most rates."""
+    rates: dict[int, set] = {}
+    for r in rows:
+        rates.setdefault(r["seed"], set()).add(float(r[lr_key]))
+    first = max(rates, key=lambda s: (len(rates[s]), -s), default=None)
+    return [r for r in rows if r["seed"] == first]
+
+
+def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = None) -> float | None:
+    """Learning-rate sensitivity as Wortsman et al. (2023) define it, from one grid point's first-seed runs:
+    the mean over the grid's (log-spaced) rates of min(final loss, initial loss) - the best final loss.
+    A diverged or crashed run, or one that ends above where it started, counts at the initial loss (the
+    iteration-0 val loss, one init for every rate); 0 means every rate of the grid is as good as the best.
+    It depends on the grid, so points are compared over the same `rates` (default: all the point ran).
+    None when no rate trained or no run logged a finite initial loss."""
+    rows = [r for r in rows if rates is None or float(r[lr_key]) in rates]
+    initial = next((x for r in rows if "out_dir" in r and (x := val_loss_at(r["out_dir"], 0)) is not None
+                    and math.isfinite(x)), None)
+    finals = [final_loss(r) for r in rows]
+    if initial is None or not any(math.isfinite(x) for x in finals):
+        return None
+    capped = [min(x, initial) for x in finals]
+    return statistics.fmean(capped) - min(capped)
+
+
 def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
     """The best rate among one grid point's first-seed runs, the diverged rates, and the edge warning."""
     ranked = sorted(rows, key=run_rank)
@@ -410,7 +436,7 @@ def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
     diverged = [r[lr_key] for r in rows if r["diverged_at"] is not None]
     crashed = [r[lr_key] for r in rows if r["diverged_at"] is None and r["exit_code"] not in (0, 3, None)]
     return {"best_lr": best[lr_key] if best else None, "diverged_lrs": diverged, "crashed_lrs": crashed,
-            "edge_warning": edge}
+            "edge_warning": edge, "lr_sensitivity": lr_sensitivity(rows, lr_key)}
 
 
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
@@ -480,7 +506,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
         row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
                "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
                "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": c["crashed_lrs"],
-               "edge_warning": c["edge_warning"]}
+               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": c["edge_warning"]}
         if base is not None and c is not base and losses and base_losses:
             paired = sorted(losses) == sorted(base_losses)
             order = sorted(losses)
@@ -496,7 +522,7 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
     """Print the run table and the per-point table; write both to out_root/summary.md and summary.json."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
-    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs",
+    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "lr_sensitivity",
                      *(["verdict"] if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
     text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
@@ -551,8 +577,13 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
             runs = [r for r in summary["runs"] if all(str(r.get(k)) == str(point[k]) for k in keys)]
             label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
             losses = {int(s): v for s, v in point["seed_losses"].items()}
-            points.append({**point, "label": label, "root": root, "losses": losses,
+            lr_key = summary.get("lr_key", "learning_rate")
+            points.append({**point, "label": label, "root": root, "losses": losses, "lr_key": lr_key,
+                           "first_runs": first_seed_runs(runs, lr_key),
                            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
+    # the sensitivity depends on the grid: every arm's over the rates all of them ran
+    shared = set.intersection(*({float(r[p["lr_key"]]) for r in p["first_runs"]} for p in points)) if points else set()
+    over = ", ".join(f"{x:g}" for x in sorted(shared))
     labels = [p["label"] for p in points]
     for p in points:
         if labels.count(p["label"]) > 1:
@@ -564,7 +595,8 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p["val_loss_mean_std"],
                "diverged_lrs": p["diverged_lrs"], "edge_warning": p["edge_warning"],
-               "run_minutes": p["run_minutes"]}
+               "lr_sensitivity": lr_sensitivity(p["first_runs"], p["lr_key"], shared),
+               "lr_sensitivity_rates": over, "run_minutes": p["run_minutes"]}
         if base is not None and p is not base and p["losses"] and base["losses"]:
             paired = sorted(p["losses"]) == sorted(base["losses"])
             seeds = sorted(p["losses"])
@@ -610,8 +642,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.leaderboard:
             table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, args.claim)
             print(format_table(table, ["label", "best_lr", "val_loss_mean_std", "diff", "verdict", "diverged_lrs",
-                                       "run_minutes", "edge_warning"]))
-            print(f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+                                       "lr_sensitivity", "run_minutes", "edge_warning"]))
+            print(f"\nlr sensitivity over the rates every arm ran: {table[0]['lr_sensitivity_rates'] or 'none'}"
+                  f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
             return 0
         if args.config is None:
             raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")

@@ -276,6 +276,24 @@ def test_best_rate_on_an_edge_of_the_grid_warns():
     assert "lowest" in low["edge_warning"] and "highest" in high["edge_warning"]
 
 
+def test_lr_sensitivity_caps_each_rate_at_the_initial_loss_and_subtracts_the_best(tmp_path):
+    # Wortsman et al. (2023): mean over rates of min(final, initial) - best; a diverged run and one that
+    # ends above its start both count at the initial loss (4.0 here)
+    def run(lr, final, seed=1, diverged=None):
+        out_dir = tmp_path / f"{lr},{seed}"
+        out_dir.mkdir()
+        (out_dir / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 0, "val_loss": 4.0}) + "\n")
+        return {**lr_row(lr, final, diverged, 3 if diverged else 0), "seed": seed, "out_dir": str(out_dir)}
+
+    rows = [run("1e-3", 2.0), run("1e-2", 1.8), run("1e-1", None, diverged=7), run("3e-1", 5.0)]
+    assert sweep.lr_sensitivity(rows, "learning_rate") == pytest.approx((2.0 + 1.8 + 4.0 + 4.0) / 4 - 1.8)
+    assert sweep.lr_sensitivity(rows, "learning_rate", {1e-3, 0.01}) == pytest.approx(0.1)  # over those rates only
+    assert sweep.lr_sensitivity(rows[2:3], "learning_rate") is None  # no rate trained: nothing to be sensitive to
+    assert sweep.lr_sensitivity([lr_row("1e-3", 2.0)], "learning_rate") is None  # no initial loss logged
+    later = [run("1e-2", 1.9, seed=2)]
+    assert sweep.first_seed_runs(later + rows, "learning_rate") == rows  # the seed that ran every rate
+
+
 def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(data_dir, tmp_path):
     out_root = str(tmp_path / "lr")
     fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
@@ -301,6 +319,12 @@ def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(dat
     means = [p["val_loss_mean"] for p in summary["lr_points"]]
     assert [row["val_loss_mean_std"][:6] for row in board] == [f"{m:.4f}"[:6] for m in sorted(means)]
     assert sum("verdict" in row for row in board) == 1  # every arm but the baseline
+    for row, point in zip(board, sorted(summary["lr_points"], key=lambda p: p["val_loss_mean"]), strict=True):
+        first = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"] and r["seed"] == 1]
+        start = sweep.val_loss_at(first[0]["out_dir"], 0)
+        capped = [min(sweep.final_loss(r), start) for r in first]
+        assert row["lr_sensitivity"] == pytest.approx(sum(capped) / 2 - min(capped))
+        assert point["lr_sensitivity"] == pytest.approx(row["lr_sensitivity"])  # the sweep's own table agrees
     assert sweep.main(["--leaderboard", out_root, "--baseline", "norm_scheme=rms"]) == 2  # not a point
     # the same point in two sweeps: told apart by the sweep's folder, the first one is the baseline
     twin = str(tmp_path / "lr_twin")
