@@ -358,7 +358,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.rope = register_rope(self, config, self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated)."""
         B, T, C = x.shape
         heads = (B, T, self.n_head, self.head_dim)
         q = self.q_norm(self.q_proj(x).view(heads)).transpose(1, 2)
@@ -367,6 +368,11 @@ class CausalSelfAttention(nn.Module):
         if self.rope:
             q = apply_rope(q, self.rope_cos, self.rope_sin)
             k = apply_rope(k, self.rope_cos, self.rope_sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.heads(x)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0)
@@ -604,6 +610,30 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+@torch.no_grad()
+def max_attention_logits(model: GPT, inputs: torch.Tensor) -> list[float]:
+    """Each block's largest attention logit, scale * <q_i, k_j> over heads and causal pairs j <= i, on one
+    batch: the logit growth that precedes the attention collapse QK-norm is meant to prevent (Dehghani
+    et al. 2023; Wortsman et al. 2023 follow it at small scale). Read from a hook on each attention's input."""
+    found: list[torch.Tensor] = []
+
+    def record(attn: nn.Module, args: tuple) -> None:
+        q, k, _ = attn.heads(args[0])
+        logits = (q.float() @ k.float().transpose(-2, -1)) * attn.scale
+        T = logits.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
+        found.append(logits.masked_fill(~causal, -math.inf).amax())
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules()
+             if isinstance(m, (CausalSelfAttention, SphereAttention))]
+    try:
+        model(inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(found).tolist() if found else []
 
 
 @torch.no_grad()

@@ -129,7 +129,8 @@ class SphereAttention(nn.Module):
         self.dropout = config.dropout
         self.rope = register_rope(self, config, self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them."""
         B, T, C = x.shape
         q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -139,6 +140,11 @@ class SphereAttention(nn.Module):
         if self.s_qk is not None:
             s_qk = self.s_qk().view(self.n_head, 1, self.head_dim).to(q.dtype)  # one vector per head
             q, k = unit(q) * s_qk, unit(k) * s_qk
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.heads(x)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0)

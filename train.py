@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 from layers import GeodesicStep
-from model import GPT, GPTConfig, block_activation_rms
+from model import GPT, GPTConfig, block_activation_rms, max_attention_logits
 from run_files import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
@@ -513,8 +513,10 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
         out[f"{split}_loss"] = (total[0] / total[1]).item()
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
-    # residual-stream RMS after each block on one val batch (Bir et al. Fig. 3)
+    # residual-stream RMS after each block on one val batch (Bir et al. Fig. 3), and each block's largest
+    # attention logit on it (the growth QK-norm bounds)
     out["block_rms"] = block_activation_rms(raw_model, val_inputs(task))
+    out["attn_logit_max"] = max_attention_logits(raw_model, val_inputs(task))
     model.train()
     return out
 

@@ -16,6 +16,7 @@ from model import (
     SCHEMES,
     GPTConfig,
     block_activation_rms,
+    max_attention_logits,
 )
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, HeadwiseRMSNorm)
@@ -288,6 +289,27 @@ def test_qk_norm_gives_unit_rms_queries():
     attn = GPT(tiny(norm_scheme="dnt")).blocks[0].attn.sublayer
     q = attn.q_norm(attn.q_proj(torch.randn(4, 8, 32)).view(4, 8, 2, 16))
     torch.testing.assert_close(q.square().mean(-1), torch.ones(4, 8, 2), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["pre", "dnt"])
+def test_attention_logits_grow_with_w_q_unless_qk_norm_bounds_them(scheme):
+    # DNT Prop. 5: without QK-norm a logit <W_q x_i, W_k x_j> is linear in W_q, so x10 on W_q is x10 on the
+    # largest (positive) logit; with it q is renormalized per head and |logit| <= scale * head_dim (unit
+    # RMS q and k, gains at init 1). Tolerances: float32 rounding, and RMSNorm's eps against q's new scale.
+    torch.manual_seed(0)
+    model, idx = GPT(tiny(norm_scheme=scheme, bias=False)), tokens()
+    before = max_attention_logits(model, idx)
+    attn = model.blocks[0].attn.sublayer
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(10)
+    after = max_attention_logits(model, idx)
+    assert len(before) == len(after) == 3 and before[0] > 0
+    if scheme == "pre":
+        assert after[0] == pytest.approx(10 * before[0], rel=1e-5)
+    else:
+        assert after[0] == pytest.approx(before[0], rel=1e-4)
+        assert after[0] <= attn.scale * attn.head_dim * (1 + 1e-5)
+    assert len(max_attention_logits(GPT(tiny(norm_scheme="ngpt")), idx)) == 3  # nGPT's attention too
 
 
 # ----------------------------------------------------------------------------- Lipschitz block
