@@ -10,8 +10,9 @@ Metrics are the numeric keys of the log: `loss` (train lines, the loss of one ba
 and `val_loss` (eval lines, averaged over eval_iters batches), task extras such as `val_xy_loss`, and
 lists such as `block_rms`: drawn per block for a single run, as their last element for several, or as
 `name[i]`. Each curve is labelled by the flags that differ between the runs (read from the config
-saved in out_dir/ckpt.pt), or by the out_dir's name when there is no checkpoint. A diverged run ends
-in an x at the iteration its status line gives.
+saved in out_dir/ckpt.pt, or, for a run that stopped before its first one, from the command line in
+its run.json), or by the out_dir's name when there is neither. A diverged run ends in an x at the
+iteration its status line gives.
 
 Importable: load_metrics(out_dir), run_config(out_dir), differing_flags(runs), draw(...), plot_runs(...).
 """
@@ -24,9 +25,12 @@ import math
 import os
 import re
 import statistics
+from dataclasses import asdict
 
 # bookkeeping keys that differ between runs without changing what is trained
 IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
+# model keys train.py fills in from the data or the task when no flag sets them
+TASK_MODEL_KEYS = ("vocab_size", "block_size", "in_features", "out_features", "embed_fan_in")
 
 
 def load_metrics(out_dir: str) -> list[dict]:
@@ -46,10 +50,11 @@ def load_metrics(out_dir: str) -> list[dict]:
 
 def run_config(out_dir: str) -> dict | None:
     """The model and training settings saved in out_dir/ckpt.pt, model keys first, and under "scheme" the
-    primitives the run's scheme used; None without one."""
+    primitives the run's scheme used. Without a checkpoint (a run that diverged before its first one),
+    the settings its sweep.py command line gave (out_dir/run.json); None without either."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.exists(path):
-        return None
+        return command_line_config(out_dir)
     import torch
 
     from model import GPTConfig
@@ -62,6 +67,35 @@ def run_config(out_dir: str) -> dict | None:
     except (TypeError, ValueError):  # a checkpoint from another version of model.py
         scheme = {}
     return {**model_args, **ckpt.get("config", {}), "scheme": scheme}
+
+
+def command_line_config(out_dir: str) -> dict | None:
+    """The training and model settings of out_dir/run.json's argv (config file and flags), the model's
+    defaults for the rest but for the keys the task sets (TASK_MODEL_KEYS: missing); None if there is no
+    such file or it no longer parses. The config file is looked up from here, then from this file's
+    folder (sweep.py's cwd)."""
+    import contextlib
+    import io
+
+    import train
+    from model import GPTConfig
+
+    try:
+        with open(os.path.join(out_dir, "run.json")) as f:
+            argv = list(json.load(f)["argv"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if argv and not argv[0].startswith("--") and not os.path.exists(argv[0]):
+        argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), argv[0])
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its "no effect" warnings were the run's to give
+            cfg, model_args = train.load_config(argv)
+        scheme = GPTConfig(**model_args).scheme._asdict()
+    except (train.ConfigError, OSError, TypeError, ValueError):
+        return None
+    # the model keys left at their defaults, but those the task fills in (the vocabulary, the vector sizes)
+    defaults = {k: v for k, v in asdict(GPTConfig()).items() if k not in TASK_MODEL_KEYS}
+    return {**defaults, **model_args, **vars(cfg), "scheme": scheme}
 
 
 def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:

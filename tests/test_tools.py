@@ -174,8 +174,13 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     per_block = plot.draw(runs[:1], ["block_rms"])  # one run: one curve per block (n_layer=2)
     assert [t.get_text() for t in per_block.axes[0].get_legend().get_texts()] == ["block 0", "block 1"]
     diverged = read_summary(diverged_root[0])["runs"][0]["out_dir"]
+    assert not os.path.exists(os.path.join(diverged, "ckpt.pt"))  # it stopped before its first checkpoint
     crossed = plot.draw([*runs, diverged], ["loss"]).axes[0].get_lines()
     assert [line.get_marker() for line in crossed].count("x") == 1  # the x where the run diverged
+    # its label comes from its command line (run.json), in the same flags as the runs with checkpoints
+    labels = plot.differing_flags({d: plot.run_config(d) for d in [*runs, diverged]})
+    assert labels[diverged] == "norm_scheme=pre, learning_rate=1000000.0, seed=1337"  # the config's seed
+    assert labels[runs[1]].startswith("norm_scheme=geonorm, learning_rate=")
     out = tmp_path / "runs.png"
     plot.main([*runs, diverged, "--metric", "loss,val_loss", "--logy", "--smooth", "2", "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < out.stat().st_size < 500_000
