@@ -8,11 +8,11 @@ Plot train.py runs from their metrics.jsonl: one PNG, one curve per run, one pan
 
 Metrics are the numeric keys of the log: `loss` (train lines, the loss of one batch), `train_loss`
 and `val_loss` (eval lines, averaged over eval_iters batches), task extras such as `val_xy_loss`, and
-lists such as `block_rms`: drawn per block for a single run, as their last element for several, or as
-`name[i]`. Each curve is labelled by the flags that differ between the runs (read from the config
-saved in out_dir/ckpt.pt, or, for a run that stopped before its first one, from the command line in
-its run.json), or by the out_dir's name when there is neither. A diverged run ends in an x at the
-iteration its status line gives.
+lists such as `block_rms` and `attn_logit_max`: drawn per block for a single run, as their last element
+for several, or as `name[i]` or `name[max]` (the largest over the blocks). Each curve is labelled by the
+flags that differ between the runs (read from the config saved in out_dir/ckpt.pt, or, for a run that
+stopped before its first one, from the command line in its run.json), or by the out_dir's name when
+there is neither. A diverged run ends in an x at the iteration its status line gives.
 
 Importable: load_metrics(out_dir), run_config(out_dir), differing_flags(runs), draw(...), plot_runs(...).
 """
@@ -114,8 +114,8 @@ def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
     for name, cfg in runs.items():
         short = os.path.basename(os.path.normpath(name))
         labels[name] = ", ".join(f"{k}={value(cfg, k)}" for k in differ) if cfg is not None and differ else short
-    # a run without a config (one that diverged before its first checkpoint) takes the label of a run that
-    # sits beside it under the same name but for its seed: its sweep sibling
+    # a run without a config (no checkpoint, no run.json: a train.py run stopped early) takes the label of
+    # a run that sits beside it under the same name but for its seed: its sweep sibling
     by_point = {seedless(name): labels[name] for name, cfg in runs.items() if cfg is not None}
     for name, cfg in runs.items():
         if cfg is None and differ:
@@ -136,9 +136,10 @@ def diverged_at(records: list[dict]) -> int | None:
 
 def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[str, tuple[list, list]]:
     """{curve name: (xs, ys)} of one run: a single curve "" for a number, one per block for a list."""
-    match = re.fullmatch(r"(\w+)(?:\[(-?\d+)\])?", metric)
+    match = re.fullmatch(r"(\w+)(?:\[(-?\d+|max)\])?", metric)
     if match is None:
-        raise SystemExit(f"error: cannot read metric {metric!r}; write a key such as val_loss or block_rms[-1]")
+        raise SystemExit(f"error: cannot read metric {metric!r}; write a key such as val_loss, block_rms[-1] "
+                         "or attn_logit_max[max]")
     name, index = match.groups()
     out: dict[str, tuple[list, list]] = {}
     for r in records:
@@ -147,6 +148,8 @@ def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[st
         value = r[name]
         if isinstance(value, list) and index is None and per_block:
             points = {f"block {i}": v for i, v in enumerate(value)}
+        elif isinstance(value, list) and index == "max":  # the largest over the blocks
+            points = {"": max(value, default=None)}
         elif isinstance(value, list):
             points = {"": value[int(index or -1)]}
         else:

@@ -166,6 +166,14 @@ def test_differing_flags_name_only_the_flags_that_differ():
     assert plot.differing_flags(older) == {"out/a": "n_layer=4", "out/b": "n_layer=6"}
 
 
+def test_list_metrics_read_one_block_or_the_largest():
+    records = [{"kind": "eval", "iter": 0, "attn_logit_max": [1.0, 5.0, 2.0]},
+               {"kind": "eval", "iter": 10, "attn_logit_max": [7.0, 3.0, 2.0]}]
+    assert plot.curves(records, "attn_logit_max[max]", "iter", per_block=True) == {"": ([0, 10], [5.0, 7.0])}
+    assert plot.curves(records, "attn_logit_max[1]", "iter", per_block=True) == {"": ([0, 10], [5.0, 3.0])}
+    assert list(plot.curves(records, "attn_logit_max", "iter", per_block=True)) == ["block 0", "block 1", "block 2"]
+
+
 def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_root, tmp_path):
     runs = [os.path.join(sweep_root, name) for name in ("norm_scheme=pre,seed=1", "norm_scheme=geonorm,seed=1")]
     fig = plot.draw(runs, ["loss", "val_loss"])
