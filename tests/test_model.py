@@ -293,9 +293,10 @@ def test_qk_norm_gives_unit_rms_queries():
 
 @pytest.mark.parametrize("scheme", ["pre", "dnt"])
 def test_attention_logits_grow_with_w_q_unless_qk_norm_bounds_them(scheme):
-    # DNT Prop. 5: without QK-norm a logit <W_q x_i, W_k x_j> is linear in W_q, so x10 on W_q is x10 on the
-    # largest (positive) logit; with it q is renormalized per head and |logit| <= scale * head_dim (unit
-    # RMS q and k, gains at init 1). Tolerances: float32 rounding, and RMSNorm's eps against q's new scale.
+    # Without QK-norm a logit <W_q x_i, W_k x_j> is linear in W_q, so x10 on W_q is x10 on the largest
+    # (positive) logit; with it q is renormalized per head, so the logits do not depend on W_q's scale (the
+    # invariance behind DNT Prop. 5) and |logit| <= scale * head_dim (unit-RMS q and k, gains at init 1).
+    # Tolerances: float32 rounding, and RMSNorm's eps against q's new scale.
     torch.manual_seed(0)
     model, idx = GPT(tiny(norm_scheme=scheme, bias=False)), tokens()
     before = max_attention_logits(model, idx)
