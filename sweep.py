@@ -487,6 +487,14 @@ def run_setup(argv: list[str], n_seeds: int) -> dict:
             "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds}
 
 
+def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
+    """The edge warning, and a warning when the best rate (picked on the first seed) diverged or crashed on
+    another seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
+    failed = sorted(int(s) for s, x in losses.items() if not math.isfinite(x))
+    fragile = f"diverged or crashed at its best rate on seed {','.join(map(str, failed))}" if failed else None
+    return "; ".join(w for w in (edge, fragile) if w) or None
+
+
 def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
              claim: str) -> list[dict]:
     """One row per grid point: best rate, mean ± std (n) of the final val loss at it, and, given a
@@ -506,7 +514,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
         row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
                "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
                "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": c["crashed_lrs"],
-               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": c["edge_warning"]}
+               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses)}
         if base is not None and c is not base and losses and base_losses:
             paired = sorted(losses) == sorted(base_losses)
             order = sorted(losses)
@@ -594,7 +602,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
     table = []
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p["val_loss_mean_std"],
-               "diverged_lrs": p["diverged_lrs"], "edge_warning": p["edge_warning"],
+               "diverged_lrs": p["diverged_lrs"], "edge_warning": point_warnings(p["edge_warning"], p["losses"]),
                "lr_sensitivity": lr_sensitivity(p["first_runs"], p["lr_key"], shared),
                "lr_sensitivity_rates": over, "run_minutes": p["run_minutes"]}
         if base is not None and p is not base and p["losses"] and base["losses"]:

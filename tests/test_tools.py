@@ -307,6 +307,15 @@ def test_lr_sensitivity_caps_each_rate_at_the_initial_loss_and_subtracts_the_bes
     assert sweep.first_seed_runs(later + rows, "learning_rate") == rows  # the seed that ran every rate
 
 
+def test_a_best_rate_that_fails_on_another_seed_is_flagged():
+    # the first seed picks the rate; a later seed diverging there means the pick was fragile
+    assert sweep.point_warnings(None, {1: 2.0, 2: math.inf, 3: 2.1}) == "diverged or crashed at its best rate on seed 2"
+    edge = "best at the lowest rate of the grid: extend --lr_grid beyond it"
+    both = sweep.point_warnings(edge, {"1": 2.0, "3": math.inf})  # summary.json's seeds are strings
+    assert both == edge + "; diverged or crashed at its best rate on seed 3"
+    assert sweep.point_warnings(None, {1: 2.0, 2: 2.1}) is None
+
+
 def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(data_dir, tmp_path):
     out_root = str(tmp_path / "lr")
     fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
