@@ -651,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, args.claim)
             print(format_table(table, ["label", "best_lr", "val_loss_mean_std", "diff", "verdict", "diverged_lrs",
                                        "lr_sensitivity", "run_minutes", "edge_warning"]))
-            print(f"\nlr sensitivity over the rates every arm ran: {table[0]['lr_sensitivity_rates'] or 'none'}"
+            rates = table[0]["lr_sensitivity_rates"] if table else ""
+            print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
                   f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
             return 0
         if args.config is None:
