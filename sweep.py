@@ -11,13 +11,15 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
         --seeds 1,2,3 --baseline norm_scheme=pre --out_root out/lr      # each scheme at its own best rate
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
 
-With --lr_grid, every grid point runs every rate on the first seed; the rate with the lowest final val loss
-is its best (a diverged or crashed run ranks last and stays in the table); the other seeds run at the best
-rate only. The table gives each point's best rate, mean ± std (n) at it, the rates that diverged, and a
-warning when the best rate is an edge of the grid. With --baseline, `verdict` (below) compares each point's
-per-seed losses at its best rate with the baseline's: Welch's t-test, or the paired t-test when both share
-their seeds, two-sided at p < 0.05, giving "reproduced", "contradicted" or "inconclusive at this scale" for
-the claim that the point's loss is lower (--claim higher: higher). Two rates (muon, manifold_muon):
+With --lr_grid, every grid point runs every rate on the first seed (on each of the first N with --lr_seeds N);
+the rate with the lowest final val loss (mean over those seeds) is its best (a diverged or crashed run ranks
+its rate last and stays in the table); the other seeds run at the best rate only. The table gives each
+point's best rate, mean ± std (n) at it, the rates that diverged, the learning-rate sensitivity, and a
+warning when the best rate is an edge of the grid or failed on a later seed. With --baseline, `verdict`
+(below) compares each point's per-seed losses at its best rate with the baseline's: Welch's t-test, or the
+paired t-test when both share their seeds, two-sided at p < 0.05, giving "reproduced", "contradicted" or
+"inconclusive at this scale" for the claim that the point's loss is lower (--claim higher: higher). Two
+rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
@@ -425,35 +427,46 @@ def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = Non
 
 
 def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
-    """The best rate among one grid point's first-seed runs, the diverged rates, and the edge warning."""
-    ranked = sorted(rows, key=run_rank)
-    best = ranked[0] if ranked and run_rank(ranked[0])[0] == 0 else None
+    """The best rate of one grid point from its runs at every rate (on the first seed, or on each of the first
+    --lr_seeds): the lowest mean final val loss over those seeds, a rate with a diverged or crashed run ranking
+    last; the diverged and crashed rates, and the edge warning."""
+    by_rate: dict[str, list[float]] = {}
+    for r in rows:
+        by_rate.setdefault(r[lr_key], []).append(final_loss(r))
+    trained = {lr: statistics.fmean(losses) for lr, losses in by_rate.items() if all(map(math.isfinite, losses))}
+    best = min(trained, key=trained.get) if trained else None
     numeric = sorted(float(v) for v in lr_values)
     edge = None
-    if best is not None and len(numeric) > 1 and float(best[lr_key]) in (numeric[0], numeric[-1]):
-        side = "lowest" if float(best[lr_key]) == numeric[0] else "highest"
+    if best is not None and len(numeric) > 1 and float(best) in (numeric[0], numeric[-1]):
+        side = "lowest" if float(best) == numeric[0] else "highest"
         edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
-    diverged = [r[lr_key] for r in rows if r["diverged_at"] is not None]
-    crashed = [r[lr_key] for r in rows if r["diverged_at"] is None and r["exit_code"] not in (0, 3, None)]
-    return {"best_lr": best[lr_key] if best else None, "diverged_lrs": diverged, "crashed_lrs": crashed,
-            "edge_warning": edge, "lr_sensitivity": lr_sensitivity(rows, lr_key)}
+    diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
+    crashed = list(dict.fromkeys(r[lr_key] for r in rows
+                                 if r["diverged_at"] is None and r["exit_code"] not in (0, 3, None)))
+    return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": crashed, "edge_warning": edge,
+            "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key)}
 
 
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
                  seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
                  baseline: dict | None = None, claim: str = "lower", dry_run: bool = False,
-                 extra: list[str] | None = None) -> list[dict]:
-    """Each grid point at its own best learning rate: every rate on the first seed, the best kept (lowest final
-    val loss; a diverged run ranks last), the other seeds at that rate only. Returns one row per grid point."""
+                 extra: list[str] | None = None, lr_seeds: int = 1) -> list[dict]:
+    """Each grid point at its own best learning rate: every rate on the first `lr_seeds` seeds, the best kept
+    (lowest mean final val loss over them; a diverged run ranks its rate last), the other seeds at that rate
+    only. Returns one row per grid point."""
     fixed = fixed or {}
     seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
+    if not 1 <= lr_seeds <= len(seeds):
+        raise SweepError(f"--lr_seeds {lr_seeds}: give 1 to the number of --seeds ({len(seeds)})")
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
     workers, threads = parallelism(jobs, threads_per_run)
-    first = plan_runs(config, {**grid, lr_key: lr_values}, seeds[:1], fixed, out_root, rerun, (lr_key, ratios))
+    first = plan_runs(config, {**grid, lr_key: lr_values}, seeds[:lr_seeds], fixed, out_root, rerun,
+                      (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
-    print(f"{len(first)} first-seed runs over {len(lr_values)} rates, {len(pending)} to run, {workers} at a time "
-          f"with OMP_NUM_THREADS={threads}; then seeds {seeds[1:]} at each point's best rate")
+    print(f"{len(first)} runs over {len(lr_values)} rates on seeds {seeds[:lr_seeds]}, {len(pending)} to run, "
+          f"{workers} at a time with OMP_NUM_THREADS={threads}; then seeds {seeds[lr_seeds:]} at each point's "
+          "best rate")
     if dry_run:
         for job in pending:
             print(shlex.join(["python", "train.py", *job["argv"]]))
@@ -465,15 +478,17 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     for point in points:
         rows = [r for r in first_rows if all(str(r.get(k)) == str(v) for k, v in point.items())]
         choice.append({**point, **pick_best(rows, lr_key, lr_values)})
-    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None and seeds[1:]
-            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds[1:],
+    later = seeds[lr_seeds:]
+    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None and later
+            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, later,
                                  fixed, out_root, rerun, (lr_key, ratios))]
     execute([job for job in rest if job["state"] != "finished"], workers, threads)
     rest_rows = summarize([job["out_dir"] for job in rest], extra)
     table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claim)
     write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "") + f", seeds {seeds}",
+                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "") + f", seeds {seeds}"
+                     + (f", rates picked on the mean over seeds {seeds[:lr_seeds]}" if lr_seeds > 1 else ""),
                      run_setup(first[0]["argv"], len(seeds)) if first else {})
     return table
 
@@ -640,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the rate(s) --lr_grid sets: the first takes the grid's values, the others keep their "
                         "ratio to it from the config (e.g. matrix_lr+learning_rate for muon); min_lr follows "
                         "learning_rate unless set (default: learning_rate)")
+    parser.add_argument("--lr_seeds", type=int, default=1, metavar="N",
+                        help="with --lr_grid: run every rate on the first N seeds and pick each point's rate on "
+                        "the mean over them (a rate that diverged on one ranks last), not on the first seed alone: "
+                        "a steadier pick for N times the grid's runs (default: 1)")
     parser.add_argument("--claim", choices=("lower", "higher"), default="lower",
                         help="with --lr_grid and --baseline: the verdict tests whether each point's final val loss "
                         "is lower (default) or higher than the baseline's")
@@ -676,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
             table = run_lr_sweep(args.config, grid, args.lr_grid.split(","), lr_keys, seeds, fixed, out_root,
                                  args.jobs, args.threads_per_run, args.rerun, baseline or None, args.claim,
-                                 args.dry_run, extra)
+                                 args.dry_run, extra, args.lr_seeds)
             return int(any(row["crashed_lrs"] for row in table))
         rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
                          baseline or None, args.dry_run, extra)

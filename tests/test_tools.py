@@ -307,6 +307,29 @@ def test_lr_sensitivity_caps_each_rate_at_the_initial_loss_and_subtracts_the_bes
     assert sweep.first_seed_runs(later + rows, "learning_rate") == rows  # the seed that ran every rate
 
 
+def test_lr_seeds_pick_the_rate_on_the_mean_over_seeds(capsys, tmp_path):
+    grid = ["3e-3", "1e-2"]
+
+    def runs(losses):  # {(rate, seed): final loss or None for a divergence}
+        return [{**lr_row(lr, x, diverged=None if x else 5, code=0 if x else 3), "seed": seed}
+                for (lr, seed), x in losses.items()]
+
+    fragile = runs({("3e-3", 1): 2.1, ("1e-2", 1): 2.0, ("3e-3", 2): 2.2, ("1e-2", 2): None})
+    assert sweep.pick_best(fragile[:2], "learning_rate", grid)["best_lr"] == "1e-2"  # the first seed alone
+    both = sweep.pick_best(fragile, "learning_rate", grid)  # 1e-2 diverged on seed 2: it ranks last
+    assert both["best_lr"] == "3e-3" and both["diverged_lrs"] == ["1e-2"]
+    noisy = runs({("3e-3", 1): 2.1, ("1e-2", 1): 2.0, ("3e-3", 2): 2.1, ("1e-2", 2): 2.3})
+    assert sweep.pick_best(noisy, "learning_rate", grid)["best_lr"] == "3e-3"  # mean 2.10 against 2.15
+    # every rate runs on each of the first N seeds; the rest wait for the best rate
+    argv = [CONFIG, "--lr_grid", "1e-3,1e-2", "--seeds", "1,2,3", "--out_root", str(tmp_path), "--dry_run"]
+    assert sweep.main([*argv, "--lr_seeds", "2"]) == 0
+    commands = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("python")]
+    planned = sorted((a, b) for c in commands for a in c if a.startswith("--learning_rate=")
+                     for b in c if b.startswith("--seed="))
+    assert planned == [(f"--learning_rate={lr}", f"--seed={seed}") for lr in ("1e-2", "1e-3") for seed in (1, 2)]
+    assert sweep.main([*argv, "--lr_seeds", "4"]) == 2  # more than the seeds given
+
+
 def test_a_best_rate_that_fails_on_another_seed_is_flagged():
     # the first seed picks the rate; a later seed diverging there means the pick was fragile
     assert sweep.point_warnings(None, {1: 2.0, 2: math.inf, 3: 2.1}) == "diverged or crashed at its best rate on seed 2"
