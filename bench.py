@@ -30,7 +30,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -88,26 +88,30 @@ def sync(device: str) -> None:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def interleaved(names: list[str], rounds: int, seed: int) -> Iterator[str]:
+    """The names, round after round, in an order shuffled each round (seeded): a slow patch of a shared
+    machine hits every case of a round alike, and no case always follows the same one."""
+    order, shuffle = list(names), random.Random(seed).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        yield from order
+
+
 def time_interleaved(cases: dict[str, Callable[[], None]], device: str, rounds: int, warmup: int,
                      clock: str = "wall") -> dict[str, list[float]]:
-    """Seconds per call of each case in every round; within a round the cases run one after the
-    other, so a slow patch of a shared machine hits every case of that round alike, in an order
-    shuffled each round (seeded), so that no case always follows the same one. clock="cpu" counts
-    this process's CPU time, which other processes do not inflate."""
+    """Seconds per call of each case in every round (`interleaved`). clock="cpu" counts this process's
+    CPU time, which other processes do not inflate."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
-    now, order = CLOCKS[clock], list(cases)
-    shuffle = random.Random(0).shuffle
+    now = CLOCKS[clock]
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        shuffle(order)
-        for name in order:
-            sync(device)
-            t0 = now()
-            cases[name]()
-            sync(device)
-            times[name].append(now() - t0)
+    for name in interleaved(list(cases), rounds, seed=0):
+        sync(device)
+        t0 = now()
+        cases[name]()
+        sync(device)
+        times[name].append(now() - t0)
     return times
 
 
@@ -166,15 +170,12 @@ def profile_ops(cases: dict[str, Callable[[], None]], device: str, steps: int) -
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     field = "self_device_time_total" if cuda else "self_cpu_time_total"
     steps_ms: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
-    order, shuffle = list(cases), random.Random(1).shuffle
-    for _ in range(steps):
-        shuffle(order)
-        for name in order:
-            with torch.profiler.profile(activities=activities) as prof:
-                cases[name]()
-                sync(device)
-            ops = prof.key_averages()
-            steps_ms[name].append({e.key: getattr(e, field) / 1000 for e in ops if getattr(e, field) > 0})
+    for name in interleaved(list(cases), steps, seed=1):
+        with torch.profiler.profile(activities=activities) as prof:
+            cases[name]()
+            sync(device)
+        ops = prof.key_averages()
+        steps_ms[name].append({e.key: getattr(e, field) / 1000 for e in ops if getattr(e, field) > 0})
     return {name: {op: statistics.median(step.get(op, 0.0) for step in runs) for op in set().union(*runs)}
             for name, runs in steps_ms.items()}
 

@@ -612,6 +612,19 @@ class GPT(nn.Module):
         return idx
 
 
+def forward_with_hooks(model: nn.Module, inputs: torch.Tensor, handles: list) -> None:
+    """One forward pass in eval mode for the hooks just registered (`handles`), which are removed after it,
+    whatever happens; the model's mode is restored."""
+    training = model.training
+    model.eval()
+    try:
+        model(inputs)
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def max_attention_logits(model: GPT, inputs: torch.Tensor) -> list[float]:
     """Each block's largest attention logit, scale * <q_i, k_j> over heads and causal pairs j <= i, on one
@@ -626,26 +639,18 @@ def max_attention_logits(model: GPT, inputs: torch.Tensor) -> list[float]:
         causal = torch.ones(T, T, dtype=torch.bool, device=logits.device).tril()
         found.append(logits.masked_fill(~causal, -math.inf).amax())
 
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules()
-             if isinstance(m, (CausalSelfAttention, SphereAttention))]
-    try:
-        model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+    forward_with_hooks(model, inputs, [m.register_forward_pre_hook(record) for m in model.modules()
+                                       if isinstance(m, (CausalSelfAttention, SphereAttention))])
     return torch.stack(found).tolist() if found else []
 
 
 @torch.no_grad()
 def block_activation_rms(model: GPT, inputs: torch.Tensor) -> list[float]:
-    """RMS of the residual stream after each block (Bir et al. Fig. 3), from one forward pass."""
+    """RMS of the residual stream after each block (Bir et al. Fig. 3), from one forward pass in eval mode."""
     rms: list[torch.Tensor] = []
-    hooks = [b.register_forward_hook(lambda m, i, out: rms.append(out.float().square().mean()))
-             for b in model.blocks]
-    try:
-        model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+    def record(block: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        rms.append(out.float().square().mean())
+
+    forward_with_hooks(model, inputs, [b.register_forward_hook(record) for b in model.blocks])
     return torch.stack(rms).sqrt().tolist()
 

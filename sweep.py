@@ -370,16 +370,12 @@ def verdict(claimed: list[float], other: list[float], claim: str = "lower", pair
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
-def run_rank(row: dict) -> tuple[int, float]:
-    """Sort key of a run: finished with a finite loss first, by loss; diverged or crashed runs last."""
+def final_loss(row: dict) -> float:
+    """The run's final val loss for the verdict rule and the choice of rate: +inf if it diverged, crashed
+    or ended without a finite loss."""
     loss = row.get("val_loss")
     ok = row["diverged_at"] is None and row["exit_code"] in (0, None) and loss is not None and math.isfinite(loss)
-    return (0, loss) if ok else (1, math.inf)
-
-
-def final_loss(row: dict) -> float:
-    """The run's final val loss for the verdict rule: +inf if it diverged or crashed."""
-    return run_rank(row)[1]
+    return loss if ok else math.inf
 
 
 def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dict[str, float]]:

@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import prepare_data
 from layers import GeodesicStep
-from model import GPT, GPTConfig, block_activation_rms, max_attention_logits
+from model import GPT, GPTConfig, block_activation_rms, forward_with_hooks, max_attention_logits
 from run_files import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
@@ -427,16 +427,8 @@ def geonorm_angles(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
             stats[f"geonorm_theta_{name}_max"].append(theta.max())
         return record
 
-    hooks = [getattr(block, u).combine.register_forward_hook(hook(u))
-             for block in model.blocks for u in ("attn", "mlp")]
-    training = model.training
-    model.eval()
-    try:
-        model(inputs)
-    finally:
-        model.train(training)
-        for h in hooks:
-            h.remove()
+    forward_with_hooks(model, inputs, [getattr(block, u).combine.register_forward_hook(hook(u))
+                                       for block in model.blocks for u in ("attn", "mlp")])
     return {k: torch.stack(v).tolist() for k, v in stats.items()}
 
 
@@ -515,8 +507,9 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
         out.update(task.extra_metrics(model, autocast))
     # residual-stream RMS after each block on one val batch (Bir et al. Fig. 3), and each block's largest
     # attention logit on it (the growth QK-norm bounds)
-    out["block_rms"] = block_activation_rms(raw_model, val_inputs(task))
-    out["attn_logit_max"] = max_attention_logits(raw_model, val_inputs(task))
+    inputs = val_inputs(task)
+    out["block_rms"] = block_activation_rms(raw_model, inputs)
+    out["attn_logit_max"] = max_attention_logits(raw_model, inputs)
     model.train()
     return out
 
@@ -563,10 +556,7 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
             more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
             block, where = None, f"; non-finite: {', '.join(bad[:4])}{more}"
         else:
-            training = model.training
-            model.eval()
-            rms = block_activation_rms(model, inputs)
-            model.train(training)
+            rms = block_activation_rms(model, inputs)  # in eval mode
             block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
             where = f"; activations first non-finite after block {block}" if block is not None else ""
         kept = ("the last checkpoint, written from finite state, is kept" if os.path.exists(log.checkpoint_path)

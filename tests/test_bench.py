@@ -42,7 +42,6 @@ def test_bench_profile_attributes_each_scheme_its_own_ops(tables):
     assert "GeodesicStepFunction" in ops["geonorm"] and "GeodesicStepFunctionBackward" in ops["geonorm"]
     assert "RMSNormFunction" in ops["dnt"] and "GeodesicStepFunction" not in ops["dnt"]
     assert not {"GeodesicStepFunction", "RMSNormFunction"} & set(ops["pre"])
-    assert all(t > 0 for case in ops.values() for t in case.values())
     assert set(tables["profile_optimizers"]) == {"adamw", "sgdw", "muon"}
 
 
