@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction, UnitNormFunction
+from layers import (GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction, UnitNormFunction,
+                    row_dot)
 from model import GPT, GPTConfig
 
 
@@ -34,6 +35,19 @@ def step_inputs(dtype=torch.float64, shape=(2, 6, 16), seed=0, parallel_token=Fa
     if parallel_token:
         s[0, 0] = 3 * x[0, 0]
     return x, s
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 16), (3, 5, 16), (7, 16)])
+def test_row_dot_takes_rows_in_pairs_and_equals_a_multiply_and_sum(shape):
+    """An even row count takes the paired product (the diagonal of each pair's 2x2 block); an odd one and a
+    non-contiguous view take the other branches. Every row's dot product sits in its own place."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
+    for left, right in ((a, b), (a.mT.contiguous().mT, b), (a.float(), b.float())):
+        expected = (left.double() * right.double()).sum(-1, keepdim=True)
+        # float64: rounding only; float32: sums of 16 products of N(0, 1) values, within 1e-5 of their scale
+        tol = 1e-12 if left.dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(row_dot(left, right).double(), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("a, b, decay, clamp", [(1.0, 0.0, 1.0, math.pi / 4), (0.7, 0.05, 0.5, math.pi / 4),
