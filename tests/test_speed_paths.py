@@ -10,8 +10,15 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import (GeodesicStep, GeodesicStepFunction, HeadwiseRMSNorm, RMSNorm, RMSNormFunction, UnitNormFunction,
-                    row_dot)
+from layers import (
+    GeodesicStep,
+    GeodesicStepFunction,
+    HeadwiseRMSNorm,
+    RMSNorm,
+    RMSNormFunction,
+    UnitNormFunction,
+    row_dot,
+)
 from model import GPT, GPTConfig
 
 
