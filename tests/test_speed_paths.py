@@ -46,8 +46,8 @@ def step_inputs(dtype=torch.float64, shape=(2, 6, 16), seed=0, parallel_token=Fa
 
 @pytest.mark.parametrize("shape", [(3, 4, 16), (3, 5, 16), (7, 16)])
 def test_row_dot_takes_rows_in_pairs_and_equals_a_multiply_and_sum(shape):
-    """An even row count takes the paired product (the diagonal of each pair's 2x2 block); an odd one and a
-    non-contiguous view take the other branches. Every row's dot product sits in its own place."""
+    """An even row count takes the paired product (the diagonal of each pair's 2x2 block), an odd one the
+    product per row; a non-contiguous view is copied into pairs. Every row's dot product sits in its place."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
     for left, right in ((a, b), (a.mT.contiguous().mT, b), (a.float(), b.float())):
