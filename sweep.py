@@ -499,8 +499,8 @@ def run_setup(argv: list[str], n_seeds: int) -> dict:
 
 
 def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
-    """The edge warning, and a warning when the best rate (picked on the first seed) diverged or crashed on
-    another seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
+    """The edge warning, and a warning when the best rate (picked on the first seed, or the first --lr_seeds)
+    diverged or crashed on a later seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
     failed = sorted(int(s) for s, x in losses.items() if not math.isfinite(x))
     fragile = f"diverged or crashed at its best rate on seed {','.join(map(str, failed))}" if failed else None
     return "; ".join(w for w in (edge, fragile) if w) or None
