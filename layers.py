@@ -4,8 +4,9 @@ rules (GeoNorm's geodesic step among them), the Lipschitz block's gained linear 
 scale, RoPE and the MLP's width. None of them holds a config; `register_rope` and `mlp_width` only read
 a few attributes of one.
 
-GeoNorm's geodesic step and RMSNorm run as single autograd nodes with backwards written by hand
-(`GeodesicStepFunction`, `RMSNormFunction`); tests/test_speed_paths.py checks their forward passes and
+GeoNorm's geodesic step, RMSNorm, nGPT's unit norm and DyT/Derf run as single autograd nodes with
+backwards written by hand (`GeodesicStepFunction`, `RMSNormFunction`, `UnitNormFunction`,
+`SquashFunction`); tests/test_speed_paths.py checks their forward passes and
 gradients against the plain formulas, in float64 and with gradcheck.
 """
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 # for each op and each op's gradient; on a CPU, where these elementwise passes are memory bound and
 # nothing fuses them, that made GeoNorm's step and QK-norm the slowest parts of their schemes. Each
 # node here computes its reductions once and builds each gradient in a few passes. `GeodesicStep`,
-# `RMSNorm` and `HeadwiseRMSNorm` below use them.
+# `RMSNorm`, `HeadwiseRMSNorm`, `DynamicTanh` and `DynamicErf` below (and ngpt.unit) use them.
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -93,6 +94,52 @@ class UnitNormFunction(torch.autograd.Function):
         grad = grad.to(out.dtype)
         along = row_dot(grad, out) * above_floor
         return torch.addcmul(grad, out, along, value=-1).mul_(inverse), None
+
+
+class SquashFunction(torch.autograd.Function):
+    """DyT's and Derf's weight * f(alpha * x + shift) + bias, f = tanh or erf, as one autograd node.
+
+    Autograd through the chain of eager ops saves three tensors of x's size for Derf (x, z and erf(z))
+    and allocates a new one for each of its nine passes backward, five of them for erf's gradient (a
+    square, a negation, an exponential, two products). This node saves x and f(z) only, recomputes z
+    for Derf, writes its backward passes in place over two new tensors, and takes alpha's gradient as
+    one dot product (no temporary). It computes where the formula would: in x's dtype up to f(z),
+    then promoted by the float32 weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor | None, weight: torch.Tensor,
+                bias: torch.Tensor | None, erf: bool) -> torch.Tensor:
+        squashed = SquashFunction.argument(x, alpha, shift)
+        squashed = squashed.erf_() if erf else squashed.tanh_()
+        ctx.erf = erf
+        ctx.save_for_backward(x, alpha, shift, weight, bias, squashed)
+        return squashed * weight if bias is None else torch.addcmul(bias, squashed, weight)
+
+    @staticmethod
+    def argument(x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+        """z = alpha * x + shift, in two passes: addcmul with two 0-dim operands takes a slower, unvectorized path."""
+        z = x * alpha
+        return z if shift is None else z.add_(shift)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, alpha, shift, weight, bias, squashed = ctx.saved_tensors
+        rows = (-1, x.shape[-1])
+        grad_weight = (grad * squashed).reshape(rows).sum(0)
+        grad_bias = grad.reshape(rows).sum(0) if bias is not None else None
+        if ctx.erf:  # erf'(z) = 2/sqrt(pi) exp(-z^2), the constant folded into the weight
+            grad_f = (grad * (weight * (2 / math.sqrt(math.pi)))).to(x.dtype)
+            grad_z = SquashFunction.argument(x, alpha, shift).square_().neg_().exp_().mul_(grad_f)
+        else:  # tanh'(z) = 1 - tanh(z)^2, from the saved tanh(z) in one pass
+            grad_z = torch.ops.aten.tanh_backward((grad * weight).to(x.dtype), squashed)
+        wide = torch.promote_types(x.dtype, torch.float32)  # alpha's gradient sums every entry: not in bf16
+        with torch.autocast(x.device.type, enabled=False):
+            grad_alpha = torch.dot(grad_z.flatten().to(wide), x.flatten().to(wide))
+        grad_shift = grad_z.sum().to(shift.dtype) if shift is not None else None
+        return (grad_z.mul_(alpha.to(x.dtype)), grad_alpha.to(alpha.dtype), grad_shift,
+                grad_weight.to(weight.dtype), grad_bias.to(bias.dtype) if bias is not None else None, None)
 
 
 class GeodesicTerms(NamedTuple):
@@ -239,33 +286,30 @@ class DynamicTanh(nn.Module):
     """DyT (Zhu et al., 2025): gamma * tanh(alpha * x) + beta in place of a norm; alpha is one learnable scalar.
 
     Elementwise: no statistics over the channels. The bias beta exists when `config.bias` is set, as
-    for LayerNorm here (the DyT LLaMA code has none).
+    for LayerNorm here (the DyT LLaMA code has none). Computed by `SquashFunction`.
     """
+
+    erf = False
 
     def __init__(self, dim: int, alpha_init: float, bias: bool):
         super().__init__()
         self.alpha = nn.Parameter(torch.tensor(alpha_init))
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-
-    def squash(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.alpha * x)
+        self.register_parameter("shift", None)  # Derf's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return self.squash(x) * self.weight
-        return torch.addcmul(self.bias, self.squash(x), self.weight)
+        return SquashFunction.apply(x, self.alpha, self.shift, self.weight, self.bias, self.erf)
 
 
 class DynamicErf(DynamicTanh):
     """Derf (Chen et al., 2025): gamma * erf(alpha * x + s) + beta, with a learnable scalar shift s (init 0)."""
 
+    erf = True
+
     def __init__(self, dim: int, alpha_init: float, bias: bool):
         super().__init__(dim, alpha_init, bias)
         self.shift = nn.Parameter(torch.tensor(0.0))
-
-    def squash(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.erf(self.alpha * x + self.shift)
 
 
 # ----------------------------------------------------------------------------- combine rules

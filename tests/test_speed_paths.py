@@ -1,4 +1,4 @@
-"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm, nGPT's unit norm) against the formulas
+"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm, nGPT's unit norm, DyT/Derf) against the formulas
 they replace, and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
 
 import math
@@ -11,11 +11,14 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from layers import (
+    DynamicErf,
+    DynamicTanh,
     GeodesicStep,
     GeodesicStepFunction,
     HeadwiseRMSNorm,
     RMSNorm,
     RMSNormFunction,
+    SquashFunction,
     UnitNormFunction,
     row_dot,
 )
@@ -225,6 +228,74 @@ def test_qk_norm_and_headwise_norm_use_the_fused_node():
     # per-head RMS, then a per-channel gain (float64: rounding only)
     expected = rms_reference(x.unflatten(-1, (2, 16)), headwise.weight.view(2, 16), 1e-5).flatten(-2)
     torch.testing.assert_close(headwise(x), expected, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- DyT and Derf
+
+
+def squash_reference(x, alpha, shift, weight, bias, erf: bool) -> torch.Tensor:
+    """DyT / Derf as the chain of eager ops autograd differentiates (the modules before the fused node)."""
+    z = alpha * x if shift is None else alpha * x + shift
+    out = (torch.erf(z) if erf else torch.tanh(z)) * weight
+    return out if bias is None else out + bias
+
+
+def squash_inputs(erf: bool, bias: bool, dtype=torch.float64):
+    """x spread so that tanh and erf saturate on some entries; parameters away from their init."""
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(3, 5, 16, generator=g)).to(dtype).requires_grad_()
+    params = [torch.tensor(0.7), torch.tensor(0.3) if erf else None, torch.linspace(0.5, 2.0, 16),
+              torch.linspace(-1.0, 1.0, 16) if bias else None]
+    return x, [p if p is None else p.double().requires_grad_() for p in params]
+
+
+@pytest.mark.parametrize("erf", [False, True], ids=["dyt", "derf"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_squash_function_equals_the_formula_and_passes_gradcheck(erf, bias):
+    x, params = squash_inputs(erf, bias)  # alpha, shift (Derf), weight, bias (optional)
+    present = [i for i, p in enumerate(params) if p is not None]
+    inputs = (x, *(params[i] for i in present))
+
+    def fused(x, *given):
+        full = list(params)
+        for i, p in zip(present, given, strict=True):
+            full[i] = p
+        return SquashFunction.apply(x, *full, erf)
+
+    assert torch.autograd.gradcheck(fused, inputs)
+    upstream = torch.randn(3, 5, 16, dtype=torch.float64)
+    ours, reference = fused(*inputs), squash_reference(x, *params, erf)
+    # float64, the same operations regrouped: rounding only
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    for grad, exact in zip(torch.autograd.grad(ours, inputs, upstream),
+                           torch.autograd.grad(reference, inputs, upstream), strict=True):
+        torch.testing.assert_close(grad, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", [DynamicTanh, DynamicErf])
+def test_dyt_and_derf_modules_squash_bf16_inputs_in_bf16_within_rounding(kind):
+    """A bf16 input (a sub-layer output under autocast, at a Sandwich mid-norm) is squashed in bf16, then
+    promoted by the float32 weight, as the eager formula does."""
+    norm = kind(16, 0.7, bias=True)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
+        if kind.erf:
+            norm.shift.fill_(0.3)
+    x = (3 * torch.randn(4, 16)).bfloat16().requires_grad_()
+    y = norm(x)
+    assert y.grad_fn.name() == "SquashFunctionBackward" and y.dtype == torch.float32
+    upstream = torch.randn(4, 16)
+    y.backward(upstream)
+    assert x.grad.dtype == torch.bfloat16 and norm.alpha.grad.dtype == torch.float32
+    x64 = x.detach().double().requires_grad_()
+    y64 = squash_reference(x64, *(p if p is None else p.detach().double()
+                                  for p in (norm.alpha, norm.shift, norm.weight, norm.bias)), kind.erf)
+    y64.backward(upstream.double())
+    # bf16 keeps 8 significant bits (relative step 2^-8): z and f(z) round once each before the float32 product,
+    # and the input gradient's f'(z) and two products round in bf16, so allow 4 steps of each tensor's scale
+    for ours, exact in ((y, y64), (x.grad, x64.grad)):
+        scale = exact.abs().max().item()
+        assert (ours.double() - exact).abs().max().item() < 4 * 2**-8 * scale
 
 
 # ----------------------------------------------------------------------------- GeoNorm's readings
