@@ -62,6 +62,15 @@ class SphereLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.unit_dim = unit_dim
 
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), each output multiplied by its entry of `out_scale` (nGPT's s_u, s_v, s_z). The scale
+        is applied to W's rows (and b) instead of to the output: (x W^T) s = x (s W)^T, the same values and
+        gradients, from a product over the weight's out x in entries instead of over every token's outputs."""
+        if out_scale is None:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias * out_scale
+        return F.linear(x, self.weight * out_scale[:, None], bias)
+
     @torch.no_grad()
     def constrain_(self) -> None:
         unit_(self.weight, self.unit_dim)
@@ -84,7 +93,7 @@ class SphereHead(SphereLinear):
         self.s_z = LearnedScale(vocab_size, 1.0, n_embd**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.s_z()
+        return super().forward(x, self.s_z())
 
 
 class NormalizedLerp(nn.Module):
@@ -174,11 +183,7 @@ class SphereMLP(nn.Module):
         self.v_gain = math.sqrt(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the scales are cast to the maps' output dtype, as autocast casts weights: the wide hidden
-        # activations stay in bf16 instead of being promoted to float32 by a float32 scale
         v_scale = self.s_v() * self.v_gain
         if not self.swiglu:
-            h = self.fc(x)
-            return self.proj(F.gelu(h * v_scale.to(h.dtype)))
-        u, v = self.fc(x), self.gate(x)
-        return self.proj(u * self.s_u().to(u.dtype) * F.silu(v * v_scale.to(v.dtype)))
+            return self.proj(F.gelu(self.fc(x, v_scale)))
+        return self.proj(self.fc(x, self.s_u()) * F.silu(self.gate(x, v_scale)))

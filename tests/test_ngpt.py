@@ -222,3 +222,21 @@ def test_s_z_scales_the_cosine_logits_eq_3():
     expected = (h @ head.weight.T) * (head.s_z.param * math.sqrt(d))  # z = E_output h, then z <- z s_z
     logits, _ = model(idx, idx)
     torch.testing.assert_close(logits, expected, atol=1e-12, rtol=0)
+
+
+def test_output_scale_folded_into_the_weight_rows_has_the_gradients_of_scaling_the_output():
+    """s_u, s_v and s_z multiply a SphereLinear's output; they are applied to W's rows and b instead (fewer
+    products per step). (x W^T + b) s = x (s W)^T + s b, so every gradient must be the same."""
+    g = torch.Generator().manual_seed(0)
+    linear = SphereLinear(8, 6, bias=True, unit_dim=1).double()
+    x = torch.randn(3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    scale = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, 5, 6, generator=g, dtype=torch.float64)
+    inputs = (x, scale, linear.weight, linear.bias)
+    folded = linear(x, scale)
+    on_output = F.linear(x, linear.weight, linear.bias) * scale
+    # float64, the same products grouped differently: rounding only
+    torch.testing.assert_close(folded, on_output, rtol=1e-12, atol=1e-12)
+    for ours, exact in zip(torch.autograd.grad(folded, inputs, upstream),
+                           torch.autograd.grad(on_output, inputs, upstream), strict=True):
+        torch.testing.assert_close(ours, exact, rtol=1e-12, atol=1e-12)
