@@ -11,11 +11,13 @@ from model import GPT, SCHEMES, GPTConfig
 pytestmark = pytest.mark.compile
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", list(SCHEMES) + ["dyt", "derf"])  # the last two: Pre-Norm with DyT/Derf
 def test_compiled_model_matches_eager(scheme):
     torch.manual_seed(0)
-    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, norm_scheme=scheme,
-                       norm="rmsnorm", pos="rope" if scheme == "lipschitz" else "learned")
+    norm = scheme if scheme in ("dyt", "derf") else "rmsnorm"
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
+                       norm_scheme="pre" if norm == scheme else scheme, norm=norm,
+                       pos="rope" if scheme == "lipschitz" else "learned")
     model = GPT(config)
     compiled = torch.compile(model)
     idx = torch.randint(0, 64, (2, 16))
