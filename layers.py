@@ -102,8 +102,8 @@ class SquashFunction(torch.autograd.Function):
     Autograd through the chain of eager ops saves three tensors of x's size for Derf (x, z and erf(z))
     and allocates a new one for each of its nine passes backward, five of them for erf's gradient (a
     square, a negation, an exponential, two products). This node saves x and f(z) only, recomputes z
-    for Derf, writes its backward passes in place over two new tensors, and takes alpha's gradient as
-    one dot product (no temporary). It computes where the formula would: in x's dtype up to f(z),
+    for Derf, writes most of its backward passes in place, and takes alpha's gradient as one dot
+    product (no temporary). It computes where the formula would: in x's dtype up to f(z),
     then promoted by the float32 weight.
     """
 
