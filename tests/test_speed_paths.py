@@ -240,10 +240,10 @@ def squash_reference(x, alpha, shift, weight, bias, erf: bool) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
-def squash_inputs(erf: bool, bias: bool, dtype=torch.float64):
-    """x spread so that tanh and erf saturate on some entries; parameters away from their init."""
+def squash_inputs(erf: bool, bias: bool):
+    """x spread so that tanh and erf saturate on some entries; parameters away from their init (float64)."""
     g = torch.Generator().manual_seed(0)
-    x = (3 * torch.randn(3, 5, 16, generator=g)).to(dtype).requires_grad_()
+    x = (3 * torch.randn(3, 5, 16, generator=g, dtype=torch.float64)).requires_grad_()
     params = [torch.tensor(0.7), torch.tensor(0.3) if erf else None, torch.linspace(0.5, 2.0, 16),
               torch.linspace(-1.0, 1.0, 16) if bias else None]
     return x, [p if p is None else p.double().requires_grad_() for p in params]
@@ -281,10 +281,11 @@ def test_dyt_and_derf_modules_squash_bf16_inputs_in_bf16_within_rounding(kind):
         norm.weight.copy_(torch.linspace(0.5, 2.0, 16))
         if kind.erf:
             norm.shift.fill_(0.3)
-    x = (3 * torch.randn(4, 16)).bfloat16().requires_grad_()
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(4, 16, generator=g)).bfloat16().requires_grad_()
     y = norm(x)
     assert y.grad_fn.name() == "SquashFunctionBackward" and y.dtype == torch.float32
-    upstream = torch.randn(4, 16)
+    upstream = torch.randn(4, 16, generator=g)
     y.backward(upstream)
     assert x.grad.dtype == torch.bfloat16 and norm.alpha.grad.dtype == torch.float32
     x64 = x.detach().double().requires_grad_()
