@@ -36,7 +36,7 @@ import torch
 
 import optim
 from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
-from train import device_peak_flops
+from train import device_peak_flops, reuse_freed_memory
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
@@ -263,7 +263,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
               device: str = "cpu", dtype: str = "auto", compile_model: bool = False, rounds: int = 20,
               warmup: int = 3, nanogpt: str | None = None, threads: int | None = None,
-              clock: str = "wall", profile: int = 0) -> dict[str, list[dict]]:
+              clock: str = "wall", profile: int = 0, default_malloc: bool = False) -> dict[str, list[dict]]:
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
     seconds (median over rounds), ratio (median over rounds of the ratio to "pre" or "adamw" timed in
     the same round), ratio_q1 and ratio_q3 (its quartiles over rounds), ratio_lo and ratio_hi (the
@@ -271,7 +271,9 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     optimizers None means all; [] skips that table. threads sets torch's CPU threads; clock is
     "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin). profile > 0
     also profiles that many steps of each case and prints the ops where each differs most from the
-    baseline; the per-op times are in tables["profile_schemes"] and tables["profile_optimizers"]."""
+    baseline; the per-op times are in tables["profile_schemes"] and tables["profile_optimizers"].
+    Freed CPU memory is reused as in train.py (`reuse_freed_memory`) unless default_malloc."""
+    reused = False if default_malloc else reuse_freed_memory()
     if threads is not None:
         torch.set_num_threads(threads)
     schemes = list(SCHEME_CASES) if schemes is None else schemes
@@ -288,6 +290,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     name = torch.cuda.get_device_name(device) if device_type == "cuda" else platform.processor() or platform.machine()
     print(f"nanoNorm bench, {datetime.date.today()}: {name}, torch {torch.__version__}, {dtype}, "
           f"compile={compile_model}, {rounds} rounds, {torch.get_num_threads()} threads, {clock} clock, "
+          f"malloc {'reusing freed memory' if reused else 'as the process found it'}, "
           f"shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), peak {peak / 1e12:.3g} TFLOP/s",
           flush=True)
 
@@ -359,6 +362,9 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS steps of each case (torch.profiler, interleaved like the timed "
                         "rounds) and print the ops where each case spends more or less time than the baseline")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's malloc settings as they are instead of reusing freed memory as train.py "
+                        "does (to measure what that saves: compare two runs)")
     args = p.parse_args()
     if args.profile < 0:
         p.error(f"--profile takes a number of steps >= 0, got {args.profile}")
@@ -368,7 +374,8 @@ def main() -> None:
     if args.clock == "cpu" and not args.device.startswith("cpu"):
         p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
     run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
-              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile)
+              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
+              args.default_malloc)
 
 
 if __name__ == "__main__":
