@@ -182,6 +182,9 @@ def all_ranks(t: torch.Tensor, ddp: Dist, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}  # user settings reuse_freed_memory keeps
+
+
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc keep freed CPU memory for reuse; True if it now does.
 
@@ -194,7 +197,7 @@ def reuse_freed_memory() -> bool:
     memory (torch caches that itself), outside Linux with glibc, or where MALLOC_MMAP_THRESHOLD_ or
     MALLOC_TRIM_THRESHOLD_ is set (the user's choice stands).
     """
-    if not sys.platform.startswith("linux") or {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+    if not sys.platform.startswith("linux") or MALLOC_SETTINGS & os.environ.keys():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
