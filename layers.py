@@ -4,9 +4,9 @@ rules (GeoNorm's geodesic step among them), the Lipschitz block's gained linear 
 scale, RoPE and the MLP's width. None of them holds a config; `register_rope` and `mlp_width` only read
 a few attributes of one.
 
-GeoNorm's geodesic step, RMSNorm, nGPT's unit norm and DyT/Derf run as single autograd nodes with
-backwards written by hand (`GeodesicStepFunction`, `RMSNormFunction`, `UnitNormFunction`,
-`SquashFunction`); tests/test_speed_paths.py checks their forward passes and
+GeoNorm's geodesic step, RMSNorm, nGPT's unit norm and residual update, and DyT/Derf run as single autograd
+nodes with backwards written by hand (`GeodesicStepFunction`, `RMSNormFunction`, `UnitNormFunction`,
+`NormalizedLerpFunction`, `SquashFunction`); tests/test_speed_paths.py checks their forward passes and
 gradients against the plain formulas, in float64 and with gradcheck.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # for each op and each op's gradient; on a CPU, where these elementwise passes are memory bound and
 # nothing fuses them, that made GeoNorm's step and QK-norm the slowest parts of their schemes. Each
 # node here computes its reductions once and builds each gradient in a few passes. `GeodesicStep`,
-# `RMSNorm`, `HeadwiseRMSNorm`, `DynamicTanh` and `DynamicErf` below (and ngpt.unit) use them.
+# `RMSNorm`, `HeadwiseRMSNorm`, `DynamicTanh` and `DynamicErf` below (and ngpt.py) use them.
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -91,9 +91,50 @@ class UnitNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         out, inverse, above_floor = ctx.saved_tensors
-        grad = grad.to(out.dtype)
-        along = row_dot(grad, out) * above_floor
-        return torch.addcmul(grad, out, along, value=-1).mul_(inverse), None
+        return unit_backward(grad.to(out.dtype), out, inverse, above_floor), None
+
+
+def unit_backward(grad: torch.Tensor, u: torch.Tensor, inverse: torch.Tensor,
+                  above_floor: torch.Tensor) -> torch.Tensor:
+    """The gradient through u = x / max(||x||, eps), from u, 1 / max(||x||, eps) and ||x|| >= eps."""
+    along = row_dot(grad, u) * above_floor
+    return torch.addcmul(grad, u, along, value=-1).mul_(inverse)
+
+
+class NormalizedLerpFunction(torch.autograd.Function):
+    """nGPT's residual update Norm(h + w (Norm(y) - h)) (eq. 10, 11; w the per-channel |alpha|) as one
+    autograd node, in h's dtype (a bf16 sub-layer output under autocast is normalized in float32).
+
+    With n = Norm(y) and m = h + w (n - h): grad_m = (g - <g,u> u) / ||m|| as in `UnitNormFunction`, then
+    grad_h = (1 - w) grad_m, grad_w = sum over tokens of grad_m (n - h), and grad_y is w grad_m taken
+    back through Norm(y). Saves h (which the previous update saves anyway), n and the output. Against
+    the chain it replaces (`lerp` between two `UnitNormFunction`s, Norm(y) cast to h's dtype) it makes
+    one pass fewer forward and as many backward, keeps one copy of n instead of two, and computes
+    Norm(y) in float32 where the chain took it in bf16 (which CPU kernels run no faster).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        y_norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True, dtype=h.dtype)
+        y_inverse = y_norm.clamp_min(eps).reciprocal()
+        n = torch.mul(y, y_inverse)  # in h's dtype, which y_inverse has
+        out = torch.lerp(h, n, w)
+        m_norm = torch.linalg.vector_norm(out, dim=-1, keepdim=True)
+        m_inverse = m_norm.clamp_min(eps).reciprocal()
+        out.mul_(m_inverse)
+        ctx.y_dtype = y.dtype
+        ctx.save_for_backward(h, n, out, w, y_inverse, m_inverse, y_norm >= eps, m_norm >= eps)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        h, n, out, w, y_inverse, m_inverse, y_above, m_above = ctx.saved_tensors
+        grad_m = unit_backward(grad.to(out.dtype), out, m_inverse, m_above)
+        grad_h = grad_m * (1 - w)
+        grad_w = torch.sub(n, h).mul_(grad_m).flatten(0, -2).sum(0) if ctx.needs_input_grad[2] else None
+        grad_y = unit_backward(grad_m.mul_(w), n, y_inverse, y_above)
+        return grad_h, grad_y.to(ctx.y_dtype), grad_w, None
 
 
 class SquashFunction(torch.autograd.Function):

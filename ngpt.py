@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import UnitNormFunction, apply_rope, mlp_width, register_rope, softmax_scale
+from layers import NormalizedLerpFunction, UnitNormFunction, apply_rope, mlp_width, register_rope, softmax_scale
 
 if TYPE_CHECKING:
     from model import GPTConfig
@@ -114,7 +114,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return unit(torch.lerp(x, unit(y).to(x.dtype), self.alpha().abs().to(x.dtype)))  # x + |a| (unit(y) - x)
+        return NormalizedLerpFunction.apply(x, y, self.alpha().abs().to(x.dtype), 1e-12)  # unit(lerp(x, unit(y), |a|))
 
 
 class SphereAttention(nn.Module):

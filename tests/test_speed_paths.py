@@ -1,5 +1,5 @@
-"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm, nGPT's unit norm, DyT/Derf) against the formulas
-they replace, and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
+"""The hand-written autograd nodes (GeoNorm's geodesic step, RMSNorm, nGPT's unit norm and update, DyT/Derf) against
+the formulas they replace, and GeoNorm's named readings (the sqrt(d) sphere, the App. D listing's computation)."""
 
 import math
 import os
@@ -19,6 +19,7 @@ from layers import (
     GeodesicStep,
     GeodesicStepFunction,
     HeadwiseRMSNorm,
+    NormalizedLerpFunction,
     RMSNorm,
     RMSNormFunction,
     SquashFunction,
@@ -218,6 +219,52 @@ def test_unit_norm_function_in_bf16_is_within_rounding_of_float64():
     for ours, exact in ((y, y64), (x.grad, x64.grad)):
         scale = exact.abs().max().item()
         assert (ours.double() - exact).abs().max().item() < 4 * 2**-8 * scale
+
+
+def normalized_lerp_formula(h, y, w, eps):
+    """nGPT eq. 10/11 as eager ops: Norm(h + w (Norm(y) - h)), Norm = F.normalize."""
+    return F.normalize(torch.lerp(h, F.normalize(y, dim=-1, eps=eps).to(h.dtype), w), dim=-1, eps=eps)
+
+
+def test_normalized_lerp_function_equals_eq_10_11_and_passes_gradcheck():
+    eps = 0.1
+    y = unit_inputs()  # row [0, 0] below the floor: Norm(y) = y / eps there
+    g = torch.Generator().manual_seed(1)
+    h = F.normalize(torch.randn(3, 5, 16, generator=g, dtype=torch.float64), dim=-1)
+    h[1, 2] *= 1e-3  # with |w| < 0.1 and ||Norm(y)|| <= 1, h + w (Norm(y) - h) falls below the floor here
+    w = (0.01 + 0.09 * torch.rand(16, generator=g, dtype=torch.float64)).requires_grad_()
+    h.requires_grad_()
+    m = torch.lerp(h, F.normalize(y, dim=-1, eps=eps), w)
+    assert torch.linalg.vector_norm(m[1, 2]) < eps < torch.linalg.vector_norm(m[0, 1])
+    assert torch.autograd.gradcheck(lambda h, y, w: NormalizedLerpFunction.apply(h, y, w, eps), (h, y, w))
+    fused, reference = NormalizedLerpFunction.apply(h, y, w, eps), normalized_lerp_formula(h, y, w, eps)
+    upstream = torch.randn(fused.shape, generator=g, dtype=torch.float64)
+    grads_fused = torch.autograd.grad(fused, (h, y, w), upstream)
+    grads_reference = torch.autograd.grad(reference, (h, y, w), upstream)
+    # float64, the same operations in another order: rounding only
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    for ours, theirs in zip(grads_fused, grads_reference, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_normalized_lerp_takes_a_bf16_sublayer_output_into_a_float32_stream():
+    torch.manual_seed(0)
+    h = F.normalize(torch.randn(4, 32, 64), dim=-1).requires_grad_()
+    y = torch.randn(4, 32, 64).bfloat16().requires_grad_()
+    w = (0.05 * torch.rand(64)).requires_grad_()
+    upstream = torch.randn(4, 32, 64)
+    out = NormalizedLerpFunction.apply(h, y, w, 1e-12)
+    out.backward(upstream)
+    assert out.dtype == h.grad.dtype == w.grad.dtype == torch.float32 and y.grad.dtype == torch.bfloat16
+    exact = [t.detach().double().requires_grad_() for t in (h, y, w)]
+    out64 = normalized_lerp_formula(*exact, 1e-12)
+    out64.backward(upstream.double())
+    # the bf16 values of y are read exactly and everything runs in float32 (relative rounding 2^-24 per op,
+    # a few dozen ops): 1e-5 of each tensor's scale; y's gradient is then rounded once to bf16 (2^-8)
+    for ours, reference, bound in ((out, out64, 1e-5), (h.grad, exact[0].grad, 1e-5),
+                                   (w.grad, exact[2].grad, 1e-5), (y.grad, exact[1].grad, 2**-8)):
+        scale = reference.abs().max().item()
+        assert (ours.double() - reference).abs().max().item() < bound * scale
 
 
 def test_qk_norm_and_headwise_norm_use_the_fused_node():
