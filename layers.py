@@ -105,12 +105,12 @@ class NormalizedLerpFunction(torch.autograd.Function):
     """nGPT's residual update Norm(h + w (Norm(y) - h)) (eq. 10, 11; w the per-channel |alpha|) as one
     autograd node, in h's dtype (a bf16 sub-layer output under autocast is normalized in float32).
 
-    With n = Norm(y) and m = h + w (n - h): grad_m = (g - <g,u> u) / ||m|| as in `UnitNormFunction`, then
-    grad_h = (1 - w) grad_m, grad_w = sum over tokens of grad_m (n - h), and grad_y is w grad_m taken
-    back through Norm(y). Saves h (which the previous update saves anyway), n and the output. Against
-    the chain it replaces (`lerp` between two `UnitNormFunction`s, Norm(y) cast to h's dtype) it makes
-    one pass fewer forward and as many backward, keeps one copy of n instead of two, and computes
-    Norm(y) in float32 where the chain took it in bf16 (which CPU kernels run no faster).
+    With n = Norm(y), m = h + w (n - h) and u = Norm(m) the output: grad_m = (g - <g,u> u) / ||m|| as in
+    `UnitNormFunction`, then grad_h = (1 - w) grad_m, grad_w = sum over tokens of grad_m (n - h), and
+    grad_y is w grad_m taken back through Norm(y) the same way. Saves h, n and u. Against the chain it
+    replaces (`lerp` between two `UnitNormFunction`s, Norm(y) cast to h's dtype) it makes one pass fewer
+    forward and as many backward, keeps one copy of n instead of two, and computes Norm(y) in float32
+    where the chain took it in bf16 (which CPU kernels run no faster).
     """
 
     @staticmethod
