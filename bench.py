@@ -26,9 +26,11 @@ import contextlib
 import datetime
 import importlib.util
 import math
+import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -226,11 +228,26 @@ def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_mod
     return make_step(runner, optimizer, batch, autocast), model, optimizer
 
 
+def load_nanogpt(path: str):
+    """karpathy/nanoGPT's model.py as a module; ValueError, saying why, when the file is not one."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path) if os.path.isfile(path) else None
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--nanogpt {path} is not a Python file; give the path of nanoGPT's model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # any file can be named here, and it can fail in any way
+        raise ValueError(f"--nanogpt {path} failed to import ({type(e).__name__}: {e}); "
+                         "give the path of nanoGPT's model.py") from e
+    if not (hasattr(module, "GPT") and hasattr(module, "GPTConfig")):
+        raise ValueError(f"--nanogpt {path} defines no GPT and GPTConfig; give the path of nanoGPT's model.py")
+    return module
+
+
 def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch, autocast):
     """karpathy/nanoGPT's GPT from its model.py, at the same shape, with torch's AdamW."""
-    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_nanogpt(path)
     n_layer, n_head, n_embd, block_size, _, vocab = SHAPES[shape]
     torch.manual_seed(0)
     model = module.GPT(module.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
@@ -341,6 +358,35 @@ def name_list(text: str) -> list[str] | None:
     return None if text == "all" else [] if text == "none" else text.split(",")
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every bad option ends here with exit code 2 and one line saying what to give instead."""
+    for option, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
+                                 ("--threads", args.threads, 1), ("--profile", args.profile, 0)):
+        if value is not None and value < least:
+            p.error(f"{option} {value} must be at least {least}")
+    unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
+    if unknown:
+        p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
+    unknown = [name for name in name_list(args.optimizers) or [] if name not in optim.OPTIMIZERS]
+    if unknown:
+        p.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(optim.OPTIMIZERS)}")
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device {args.device} is not one bench.py times; give cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}, but this machine has no CUDA device; give --device cpu")
+    if args.clock == "cpu" and not args.device.startswith("cpu"):
+        p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
+    if args.nanogpt is not None:
+        try:
+            load_nanogpt(args.nanogpt)
+        except ValueError as e:
+            p.error(str(e))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="cpu")
@@ -366,13 +412,7 @@ def main() -> None:
                    help="leave glibc's malloc settings as they are instead of reusing freed memory as train.py "
                         "does (to measure what that saves: compare two runs)")
     args = p.parse_args()
-    if args.profile < 0:
-        p.error(f"--profile takes a number of steps >= 0, got {args.profile}")
-    unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
-    if unknown:
-        p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
-    if args.clock == "cpu" and not args.device.startswith("cpu"):
-        p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
+    check_args(p, args)
     run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
               args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
               args.default_malloc)

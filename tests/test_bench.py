@@ -2,6 +2,8 @@
 and each ratio comes with the spread of its rounds."""
 
 import math
+import re
+import sys
 
 import pytest
 
@@ -74,3 +76,26 @@ def test_median_interval_uses_binomial_order_statistics():
     values = list(range(1, 21))  # n = 20: P(Bin(20, 1/2) <= 5) = 0.021 <= 0.025 < P(<= 6) = 0.058
     assert bench.median_interval(values) == (6, 15)
     assert bench.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few values for 95%: the range
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], r"--rounds 0 must be at least 1"),
+    (["--warmup", "-1"], r"--warmup -1 must be at least 0"),
+    (["--threads", "0"], r"--threads 0 must be at least 1"),
+    (["--profile", "-2"], r"--profile -2 must be at least 0"),
+    (["--schemes", "pre,prenorm"], r"unknown scheme\(s\) prenorm; choose from: post, pre,"),
+    (["--optimizers", "adam"], r"unknown optimizer\(s\) adam; choose from: adamw, sgdw, muon, manifold_muon"),
+    (["--device", "gpu"], r"--device gpu is not one bench.py times; give cpu, cuda or cuda:N"),
+    (["--device", "cpu", "--nanogpt", "no/such/model.py"], r"--nanogpt no/such/model.py is not a Python file"),
+    (["--device", "cpu", "--nanogpt", "NOT_NANOGPT"], r"defines no GPT and GPTConfig; give the path of nanoGPT's"),
+])
+def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tmp_path, argv, message):
+    not_nanogpt = tmp_path / "model.py"
+    not_nanogpt.write_text("import torch\n")
+    argv = [str(not_nanogpt) if a == "NOT_NANOGPT" else a for a in argv]
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    err = capsys.readouterr().err
+    last = err.rstrip("\n").splitlines()[-1]  # argparse prints the usage, then one error line
+    assert exit_info.value.code == 2 and last.startswith("bench.py: error: ") and re.search(message, last), err
