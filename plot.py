@@ -25,12 +25,18 @@ import math
 import os
 import re
 import statistics
+import sys
 from dataclasses import asdict
 
 # bookkeeping keys that differ between runs without changing what is trained
 IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
 # model keys train.py fills in from the data or the task when no flag sets them
 TASK_MODEL_KEYS = ("vocab_size", "block_size", "in_features", "out_features", "embed_fan_in")
+
+
+class PlotError(ValueError):
+    """Input that cannot be plotted (a folder without metrics, a metric no run logged): plot.py prints it
+    and exits with code 2."""
 
 
 def load_metrics(out_dir: str) -> list[dict]:
@@ -138,7 +144,7 @@ def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[st
     """{curve name: (xs, ys)} of one run: a single curve "" for a number, one per block for a list."""
     match = re.fullmatch(r"(\w+)(?:\[(-?\d+|max)\])?", metric)
     if match is None:
-        raise SystemExit(f"error: cannot read metric {metric!r}; write a key such as val_loss, block_rms[-1] "
+        raise PlotError(f"cannot read metric {metric!r}; write a key such as val_loss, block_rms[-1] "
                          "or attn_logit_max[max]")
     name, index = match.groups()
     out: dict[str, tuple[list, list]] = {}
@@ -225,7 +231,7 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
     runs = {d: load_metrics(d) for d in out_dirs}
     for d, records in runs.items():
         if not records:
-            raise SystemExit(f"error: {d} has no metrics.jsonl; pass the out_dir of a train.py run")
+            raise PlotError(f"{d} has no metrics.jsonl, or no readable line in it; pass the out_dir of a train.py run")
     configs = {d: run_config(d) for d in out_dirs}
     if seed_means:
         configs = {d: {k: v for k, v in cfg.items() if k != "seed"} if cfg else cfg for d, cfg in configs.items()}
@@ -247,7 +253,7 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
         if not drawn:
             logged = sorted({key for records in runs.values() for r in records if r.get("kind") != "status"
                              for key, v in r.items() if isinstance(v, (int, float, list)) and key != "iter"})
-            raise SystemExit(f"error: no run logged '{metric}' against '{x}'; logged: {', '.join(logged)}")
+            raise PlotError(f"no run logged '{metric}' against '{x}'; logged: {', '.join(logged)}")
         ax.set(xlabel=x, ylabel=metric, title=metric if len(runs) > 1 else f"{metric}: {labels[out_dirs[0]]}")
         if logy:
             ax.set_yscale("log")
@@ -291,11 +297,11 @@ def load_lr_sweeps(roots: list[str]) -> dict:
     for root in roots:
         path = os.path.join(root, "summary.json")
         if not os.path.exists(path):
-            raise SystemExit(f"error: {root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
+            raise PlotError(f"{root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
         with open(path) as f:
             summary = json.load(f)
         if "lr_points" not in summary:
-            raise SystemExit(f"error: {root} is a sweep without --lr_grid; --lr_sweep needs one with it")
+            raise PlotError(f"{root} is a sweep without --lr_grid; --lr_sweep needs one with it")
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -362,7 +368,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
                 failed.setdefault(label, []).append(lr)
     finite = [v for c in curves.values() for v in c.values()] + list(refs.values())
     if not finite:
-        raise SystemExit("error: no run of these sweeps finished with a finite loss: nothing to draw")
+        raise PlotError("no run of these sweeps finished with a finite loss: nothing to draw")
     low, high = min(finite), max(finite)
     top = high + 0.08 * (high - low or 1.0)  # the band where diverged runs are marked
     fig = Figure(figsize=(11, 5.0), layout="constrained")
@@ -407,15 +413,26 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
 
 def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png", x: str = "iter",
               logy: bool = False, smooth_n: int = 1, **options) -> str:
-    """Draw the runs' metrics into a PNG at out_path and return the path (options: see `draw`)."""
-    fig = draw(out_dirs, metrics, x=x, logy=logy, smooth_n=smooth_n, **options)
-    if os.path.dirname(out_path):
-        os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    fig.savefig(out_path, dpi=100)
-    return out_path
+    """Draw the runs' metrics into an image at out_path and return its path (options: see `draw`)."""
+    return save(draw(out_dirs, metrics, x=x, logy=logy, smooth_n=smooth_n, **options), out_path, dpi=100)
 
 
-def main(argv: list[str] | None = None) -> None:
+def save(fig, path: str, dpi: int) -> str:
+    """Write fig to path, in the format its extension names (a PNG, with .png added, when it has none, as
+    matplotlib would add it), making its folder; returns the path written."""
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension not in fig.canvas.get_supported_filetypes():
+        raise PlotError(f"--out {path}: matplotlib writes no .{extension} files; end it in "
+                        f"{', '.join('.' + e for e in sorted(fig.canvas.get_supported_filetypes()))}")
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dirs", nargs="+", help="train.py out_dirs (each with a metrics.jsonl), or with "
                         "--lr_sweep the --out_root of sweep.py --lr_grid runs")
@@ -429,30 +446,43 @@ def main(argv: list[str] | None = None) -> None:
                         "--lr_sweep, a heading above the setup line read from the sweeps")
     parser.add_argument("--metric", default="val_loss", help="comma-separated: loss, val_loss, block_rms[-1], ...")
     parser.add_argument("--x", default="iter", help="the key on the x axis (default: iter)")
-    parser.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
+    parser.add_argument("--out", default="runs.png", help="the image to write, in the format its extension "
+                        "names (default: runs.png; .png is added to a name without one)")
     parser.add_argument("--logy", action="store_true", help="logarithmic y axis")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
     args = parser.parse_args(argv)
     args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    try:
+        print(f"wrote {plot_from_args(args)}")
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # --out in a folder that cannot be made or written
+        print(f"error: cannot write {e.filename or args.out}: {e.strerror}; give --out a writable path",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+def plot_from_args(args: argparse.Namespace) -> str:
+    """Draw what the command line asks for; returns the PNG's path."""
+    if not args.out_dirs:
+        raise PlotError("every path given is a file; pass train.py out_dirs (folders with a metrics.jsonl)")
+    if args.smooth < 1:
+        raise PlotError(f"--smooth {args.smooth} must be at least 1 (1: no smoothing)")
     refs = {}
     for item in args.ref:
         name, _, value = item.rpartition("=")
         try:
             refs[name] = float(value)
         except ValueError:
-            raise SystemExit(f"error: --ref {item!r}: write NAME=VALUE with a number") from None
+            raise PlotError(f"--ref {item!r}: write NAME=VALUE with a number") from None
     if args.lr_sweep:
         fig = draw_lr_sensitivity(args.out_dirs, refs, heading=args.title)
-        out = args.out if args.out != "runs.png" else "lr_sensitivity.png"
-        if os.path.dirname(out):
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-        fig.savefig(out, dpi=110)
-        print(f"wrote {out}")
-        return
-    path = plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth,
+        return save(fig, args.out if args.out != "runs.png" else "lr_sensitivity.png", dpi=110)
+    return plot_runs(args.out_dirs, args.metric.split(","), args.out, x=args.x, logy=args.logy, smooth_n=args.smooth,
                      seed_means=args.seed_means, references=refs, title=args.title)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,6 +193,42 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     out = tmp_path / "runs.png"
     plot.main([*runs, diverged, "--metric", "loss,val_loss", "--logy", "--smooth", "2", "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < out.stat().st_size < 500_000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["MISSING"], r"MISSING has no metrics.jsonl, or no readable line in it; pass the out_dir of a train.py run"),
+    (["GARBLED"], r"GARBLED has no metrics.jsonl, or no readable line in it"),
+    (["RUN/metrics.jsonl"], r"every path given is a file; pass train.py out_dirs"),
+    (["RUN", "--smooth", "0"], r"--smooth 0 must be at least 1"),
+    (["RUN", "--metric", "val_los"], r"no run logged 'val_los' against 'iter'; logged: val_loss"),
+    (["RUN", "--metric", "block_rms[x"], r"cannot read metric 'block_rms\[x'"),
+    (["RUN", "--ref", "zero"], r"--ref 'zero': write NAME=VALUE with a number"),
+    (["RUN", "--out", "OUT/fig.xyz"], r"fig.xyz: matplotlib writes no .xyz files; end it in .*\.png"),
+    (["RUN", "--out", "RUN/metrics.jsonl/fig.png"], r"cannot write .*metrics.jsonl.*; give --out a writable path"),
+    (["--lr_sweep", "RUN"], r"RUN has no summary.json; pass the --out_root of a sweep.py --lr_grid run"),
+])
+def test_plot_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
+    run, garbled = tmp_path / "run", tmp_path / "garbled"
+    run.mkdir(), garbled.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n')
+    (garbled / "metrics.jsonl").write_text("not json\n")
+    paths = {"RUN": str(run), "GARBLED": str(garbled), "MISSING": str(tmp_path / "missing"), "OUT": str(tmp_path)}
+    argv = [next((a.replace(k, v, 1) for k, v in paths.items() if a.startswith(k)), a) for a in argv]
+    message = next((message.replace(k, re.escape(v), 1) for k, v in paths.items() if message.startswith(k)), message)
+    assert plot.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out.err
+    assert re.search(message, out.err), out.err
+
+
+def test_plot_adds_png_to_an_out_without_extension_and_says_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n'
+                                       '{"kind": "eval", "iter": 1, "val_loss": 1.0}\n')
+    assert plot.main([str(run), "--out", str(tmp_path / "figures" / "curves")]) == 0
+    written = tmp_path / "figures" / "curves.png"
+    assert capsys.readouterr().out == f"wrote {written}\n" and written.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_seed_means_draw_one_curve_per_setting_with_its_mean_and_band(tmp_path, monkeypatch):
