@@ -370,14 +370,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = [name for name in name_list(args.optimizers) or [] if name not in optim.OPTIMIZERS]
     if unknown:
         p.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(optim.OPTIMIZERS)}")
-    try:
-        kind = torch.device(args.device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        p.error(f"--device {args.device} is not one bench.py times; give cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}, but this machine has no CUDA device; give --device cpu")
+    if error := optim.timing_device_error(args.device):
+        p.error(error)
     if args.clock == "cpu" and not args.device.startswith("cpu"):
         p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
     if args.nanogpt is not None:

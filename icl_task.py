@@ -458,6 +458,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dim", type=int, default=5)
     args = parser.parse_args()
+    for option in ("n_pairs", "batch_size", "dim"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} {getattr(args, option)} must be at least 1")
+    if args.n_pairs < args.dim:
+        parser.error(f"--n_pairs {args.n_pairs} is below --dim {args.dim}: with fewer pairs than dimensions "
+                     "no draw of X is well conditioned; give --n_pairs of at least --dim")
     g = torch.Generator().manual_seed(args.seed)
     D, T = args.dim, args.n_pairs
 

@@ -826,6 +826,19 @@ def benchmark_optimizers(
     return rows
 
 
+def timing_device_error(device: str) -> str | None:
+    """Why this benchmark and bench.py cannot time on `device` (they time cpu and cuda), or None."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        return f"--device {device} is not one the benchmarks time; give cpu, cuda or cuda:N"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return f"--device {device}, but this machine has no CUDA device; give --device cpu"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Time one step of each optimizer on the "
                                      "parameters of a GPT-2 (hidden matrices + embeddings).")
@@ -836,6 +849,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup} must be at least 0")
+    unknown = [name for name in args.optimizers.split(",") if name not in OPTIMIZERS]
+    if unknown:
+        parser.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(OPTIMIZERS)}")
+    if error := timing_device_error(args.device):
+        parser.error(error)
     shape = args.shape or ("124m" if args.device.startswith("cuda") else "small")
     n_layer, n_embd, vocab, block = BENCH_SHAPES[shape]
     print(f"shape {shape} ({n_layer} layers, d {n_embd}, vocab {vocab}, context {block}), "

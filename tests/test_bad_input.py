@@ -1,5 +1,6 @@
-"""Every bad config value, data file or sampling option ends with exit code 2 and one line saying what was
-wrong and how to fix it, never a traceback; a setting with no effect prints one warning line."""
+"""Every bad config value, data file or sampling option (and every bad option of optim.py's and icl_task.py's
+command lines) ends with exit code 2 and one line saying what was wrong and how to fix it, never a traceback;
+a setting with no effect prints one warning line."""
 
 import json
 import re
@@ -10,6 +11,7 @@ import pytest
 import torch
 from conftest import tiny_run_args
 
+import icl_task
 import optim
 import prepare_data
 import sample
@@ -193,3 +195,21 @@ def test_an_option_the_optimizer_refuses_exits_2(monkeypatch, capsys, data_dir, 
     args = tiny_run_args(data_dir, str(tmp_path / "run"), optimizer="manifold_muon", matrix_weight_decay=0.1)
     code, err = exit_code_and_error(monkeypatch, capsys, args)
     assert code == 2 and "ManifoldMuon matrices take no weight decay" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    (optim, ["--steps", "0"], r"--steps 0 must be at least 1"),
+    (optim, ["--warmup", "-1"], r"--warmup -1 must be at least 0"),
+    (optim, ["--optimizers", "adamw,lion"], r"unknown optimizer\(s\) lion; choose from: adamw, sgdw, muon"),
+    (optim, ["--device", "tpu"], r"--device tpu is not one the benchmarks time; give cpu, cuda or cuda:N"),
+    (icl_task, ["--dim", "0"], r"--dim 0 must be at least 1"),
+    (icl_task, ["--batch_size", "-4"], r"--batch_size -4 must be at least 1"),
+    (icl_task, ["--n_pairs", "3"], r"--n_pairs 3 is below --dim 5: .* give --n_pairs of at least --dim"),
+])
+def test_benchmark_and_demo_options_exit_2_with_one_line(monkeypatch, capsys, script, argv, message):
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    out = capsys.readouterr()
+    last = out.err.rstrip("\n").splitlines()[-1]  # argparse prints the usage, then one error line
+    assert exit_info.value.code == 2 and out.out == "" and re.search(message, last), out.err

@@ -85,7 +85,7 @@ def test_median_interval_uses_binomial_order_statistics():
     (["--profile", "-2"], r"--profile -2 must be at least 0"),
     (["--schemes", "pre,prenorm"], r"unknown scheme\(s\) prenorm; choose from: post, pre,"),
     (["--optimizers", "adam"], r"unknown optimizer\(s\) adam; choose from: adamw, sgdw, muon, manifold_muon"),
-    (["--device", "gpu"], r"--device gpu is not one bench.py times; give cpu, cuda or cuda:N"),
+    (["--device", "gpu"], r"--device gpu is not one the benchmarks time; give cpu, cuda or cuda:N"),
     (["--device", "cpu", "--nanogpt", "no/such/model.py"], r"--nanogpt no/such/model.py is not a Python file"),
     (["--device", "cpu", "--nanogpt", "NOT_NANOGPT"], r"defines no GPT and GPTConfig; give the path of nanoGPT's"),
 ])
