@@ -126,7 +126,7 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         try:
             cfg, _ = train.load_config(argv)  # checks every key and value before anything runs
         except train.ConfigError as e:
-            raise SweepError(f"{e} (run {run_name(point)})") from None
+            raise SweepError(f"{e} (run {run_name(point)})" if point else str(e)) from None
         state = "new" if rerun else run_state(out_dir, cfg.max_iters)
         if state == "resume":
             argv.append("--init_from=resume")
@@ -676,8 +676,12 @@ def main(argv: list[str] | None = None) -> int:
         baseline = parse_assignments(args.baseline, "--baseline")
         if any(k not in grid or v not in grid[k] for k, v in baseline.items()):
             raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
-        if args.jobs != "auto" and not args.jobs.isdigit():
-            raise SweepError(f"--jobs {args.jobs!r}: give auto or a number of runs at a time")
+        if not os.path.isfile(args.config):
+            raise SweepError(f"config file {args.config!r} not found (see configs/ for examples)")
+        if args.jobs != "auto" and not (args.jobs.isdigit() and int(args.jobs) >= 1):
+            raise SweepError(f"--jobs {args.jobs!r}: give auto or a number of runs at a time (at least 1)")
+        if args.threads_per_run is not None and args.threads_per_run < 1:
+            raise SweepError(f"--threads_per_run {args.threads_per_run}: give a number of threads of at least 1")
         if args.seeds and not all(s.isdigit() for s in args.seeds.split(",")):
             raise SweepError(f"--seeds {args.seeds!r}: give whole numbers separated by commas, e.g. 1,2,3")
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None

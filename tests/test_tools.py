@@ -441,6 +441,17 @@ def test_lr_sweep_refuses_a_swept_key_in_the_grid_and_bad_rates():
     assert sweep.main([CONFIG, "--lr_grid", "1e-3", "--lr_keys", "matrix_lr", "--dry_run"]) == 2  # None in config
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["no/such/config.py"], r"^error: config file 'no/such/config.py' not found \(see configs/ for examples\)$"),
+    ([CONFIG, "--jobs", "0"], r"--jobs '0': give auto or a number of runs at a time \(at least 1\)"),
+    ([CONFIG, "--threads_per_run", "0"], r"--threads_per_run 0: give a number of threads of at least 1"),
+])
+def test_sweep_refuses_a_missing_config_and_no_workers_with_one_line(capsys, argv, message):
+    assert sweep.main([*argv, "--grid", "norm_scheme=pre", "--dry_run"]) == 2  # ZeroDivisionError before
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err.strip()), err
+
+
 def test_lr_sweep_keeps_a_zero_floor_at_zero(capsys):
     # the ICL configs decay to min_lr = 0 (WSD): the floor stays 0 at every swept rate, and a second
     # rate key follows the first at its config ratio (Muon's two rates are equal there)
