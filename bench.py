@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -228,7 +229,7 @@ def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_mod
     return make_step(runner, optimizer, batch, autocast), model, optimizer
 
 
-def load_nanogpt(path: str):
+def load_nanogpt(path: str) -> types.ModuleType:
     """karpathy/nanoGPT's model.py as a module; ValueError, saying why, when the file is not one."""
     spec = importlib.util.spec_from_file_location("nanogpt_model", path) if os.path.isfile(path) else None
     if spec is None or spec.loader is None:
