@@ -422,10 +422,10 @@ def save(fig, path: str, dpi: int) -> str:
     matplotlib would add it), making its folder; returns the path written."""
     if not os.path.splitext(path)[1]:
         path += ".png"
-    extension = os.path.splitext(path)[1][1:].lower()
-    if extension not in fig.canvas.get_supported_filetypes():
+    extension, known = os.path.splitext(path)[1][1:].lower(), fig.canvas.get_supported_filetypes()
+    if extension not in known:
         raise PlotError(f"--out {path}: matplotlib writes no .{extension} files; end it in "
-                        f"{', '.join('.' + e for e in sorted(fig.canvas.get_supported_filetypes()))}")
+                        f"{', '.join('.' + e for e in sorted(known))}")
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=dpi)
