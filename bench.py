@@ -368,10 +368,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = [name for name in name_list(args.schemes) or [] if name not in SCHEME_CASES]
     if unknown:
         p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
-    unknown = [name for name in name_list(args.optimizers) or [] if name not in optim.OPTIMIZERS]
-    if unknown:
-        p.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(optim.OPTIMIZERS)}")
-    if error := optim.timing_device_error(args.device):
+    if error := optim.optimizer_names_error(name_list(args.optimizers) or []) or optim.timing_device_error(args.device):
         p.error(error)
     if args.clock == "cpu" and not args.device.startswith("cpu"):
         p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")

@@ -826,6 +826,12 @@ def benchmark_optimizers(
     return rows
 
 
+def optimizer_names_error(names: list[str]) -> str | None:
+    """What is wrong with a list of optimizer names given on a command line, or None."""
+    unknown = [name for name in names if name not in OPTIMIZERS]
+    return f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(OPTIMIZERS)}" if unknown else None
+
+
 def timing_device_error(device: str) -> str | None:
     """Why this benchmark and bench.py cannot time on `device` (they time cpu and cuda), or None."""
     try:
@@ -853,10 +859,7 @@ def main() -> None:
         parser.error(f"--steps {args.steps} must be at least 1")
     if args.warmup < 0:
         parser.error(f"--warmup {args.warmup} must be at least 0")
-    unknown = [name for name in args.optimizers.split(",") if name not in OPTIMIZERS]
-    if unknown:
-        parser.error(f"unknown optimizer(s) {', '.join(unknown)}; choose from: {', '.join(OPTIMIZERS)}")
-    if error := timing_device_error(args.device):
+    if error := optimizer_names_error(args.optimizers.split(",")) or timing_device_error(args.device):
         parser.error(error)
     shape = args.shape or ("124m" if args.device.startswith("cuda") else "small")
     n_layer, n_embd, vocab, block = BENCH_SHAPES[shape]

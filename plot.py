@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot_from_args(args: argparse.Namespace) -> str:
-    """Draw what the command line asks for; returns the PNG's path."""
+    """Draw what the command line asks for; returns the path of the image written."""
     if not args.out_dirs:
         raise PlotError("every path given is a file; pass train.py out_dirs (folders with a metrics.jsonl)")
     if args.smooth < 1:
