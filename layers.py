@@ -219,9 +219,10 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   decay: float, clamp: float) -> GeodesicTerms:
+                   decay: float, clamp: float, lowest: float) -> GeodesicTerms:
     """Tangent, its norm and the applied angle of GeoNorm eq. 5 (see `GeodesicStep`), in the wider
-    dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast)."""
+    dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast). The applied
+    angle is clamped to [lowest, clamp]: lowest is -inf (eq. 5's min(., c)) or -clamp."""
     x = x.to(torch.promote_types(x.dtype, s.dtype))
     s_wide = s.to(x.dtype)
     x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
@@ -234,7 +235,7 @@ def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.T
     v_norm = v_norm_raw.clamp_min(1e-8)
     ratio = v_norm / radius
     scaled = torch.addcmul(b, a, ratio.clamp_max(clamp)).mul_(decay)
-    return GeodesicTerms(x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, scaled.clamp(-clamp, clamp))
+    return GeodesicTerms(x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, scaled.clamp(lowest, clamp))
 
 
 class GeodesicStepFunction(torch.autograd.Function):
@@ -248,8 +249,8 @@ class GeodesicStepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                decay: float, clamp: float) -> torch.Tensor:
-        t = geodesic_terms(x, s, a, b, decay, clamp)
+                decay: float, clamp: float, lowest: float) -> torch.Tensor:
+        t = geodesic_terms(x, s, a, b, decay, clamp, lowest)
         cos, sin = torch.cos(t.theta), torch.sin(t.theta)
         step = t.radius * sin / t.v_norm  # x_new = cos(theta') x + step v
         out = x * cos
@@ -265,8 +266,9 @@ class GeodesicStepFunction(torch.autograd.Function):
         decay, clamp = ctx.decay, ctx.clamp
         grad = grad.to(x.dtype)
         grad_x_dot, grad_v_dot = row_dot(grad, x), row_dot(grad, v)
-        # back through theta' = clamp((a min(ratio, c) + b) decay, -c, c) and ratio = ||v|| / ||x||
-        d_theta = (radius * cos / v_norm * grad_v_dot - sin * grad_x_dot) * (scaled.abs() <= clamp)
+        # back through theta' = clamp((a min(ratio, c) + b) decay, lowest, c) and ratio = ||v|| / ||x||;
+        # theta' == scaled exactly where the clamp let it through
+        d_theta = (radius * cos / v_norm * grad_v_dot - sin * grad_x_dot) * (theta == scaled)
         d_ratio = d_theta * decay * a * (ratio <= clamp)
         d_v_norm = (d_ratio / radius - grad_v_dot * step / v_norm) * (v_norm_raw >= 1e-8)
         d_radius = grad_v_dot * sin / v_norm - d_ratio * ratio / radius
@@ -286,7 +288,7 @@ class GeodesicStepFunction(torch.autograd.Function):
         d_scaled = d_theta * decay
         grad_a = (d_scaled * ratio.clamp_max(clamp)).sum().to(a.dtype) if ctx.needs_input_grad[2] else None
         grad_b = d_scaled.sum().to(a.dtype) if ctx.needs_input_grad[3] else None
-        return grad_x.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_a, grad_b, None, None
+        return grad_x.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_a, grad_b, None, None, None
 
 
 # ----------------------------------------------------------------------------- norms
@@ -432,11 +434,13 @@ class GeodesicStep(nn.Module):
 
         v      = s - (<x,s> / ||x||^2) x              tangent component of s at x
         theta  = min(||v|| / ||x||, c)
-        theta' = clamp((a * theta + b) * decay(l), -c, c)     a, b learnable (init 1, 0)
+        theta' = min((a * theta + b) * decay(l), c)           a, b learnable (init 1, 0)
         x_new  = cos(theta') x + ||x|| sin(theta') v / ||v||  so ||x_new|| = ||x||
 
-    The clamp bounds the step's length |theta'|; the listing's one-sided min(., c) is the same
-    whenever a * theta + b >= -c, which holds at init and in every run we have seen.
+    The paper clamps theta' from above only (App. D: `clamp(..., max=clamp)`), which is the default
+    (`sides="upper"`); a learned a < 0 can then turn the step backwards by more than c.
+    `sides="both"` (`geonorm_clamp_sides="both"`, an option of this project) clamps to [-c, c] and so
+    bounds the step's length |theta'|. The two agree whenever (a * theta + b) * decay(l) >= -c, as at init.
     `GeodesicStepFunction` computes it as one autograd node (the paper calls its cost negligible;
     as a chain of eager ops it was the slowest part of a GeoNorm step on a CPU).
 
@@ -466,9 +470,10 @@ class GeodesicStep(nn.Module):
     alone still learns a and b.
     """
 
-    def __init__(self, decay: float, clamp: float, affine: bool = True):
+    def __init__(self, decay: float, clamp: float, affine: bool = True, sides: str = "upper"):
         super().__init__()
-        self.decay, self.clamp = decay, clamp
+        self.decay, self.clamp, self.sides = decay, clamp, sides
+        self.lowest = -clamp if sides == "both" else -math.inf
         if affine:
             self.a = nn.Parameter(torch.tensor(1.0))
             self.b = nn.Parameter(torch.tensor(0.0))
@@ -478,14 +483,14 @@ class GeodesicStep(nn.Module):
 
     def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
-        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp)
+        t = geodesic_terms(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
         return t.theta, t.radius, t.v, t.v_norm
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp)
+        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
 
     def extra_repr(self) -> str:
-        return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}"
+        return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}, sides={self.sides}"
 
 
 # ----------------------------------------------------------------------------- sub-layers

@@ -135,6 +135,7 @@ POST_NORM_PLACES = ("attn+mlp", "attn")
 FIRST_BLOCKS = ("same", "post", "pre")
 GEONORM_DECAYS = ("harmonic", "sqrt", "linear", "none")
 GEONORM_RADII = ("embedding", "sqrt_d")
+GEONORM_CLAMP_SIDES = ("upper", "both")
 
 
 @dataclass
@@ -186,6 +187,7 @@ class GPTConfig:
     # sqrt(n_embd)); see GeodesicStep
     geonorm_decay: str = "harmonic"
     geonorm_clamp: float = math.pi / 4
+    geonorm_clamp_sides: str = "upper"  # theta' <= c (eq. 5, App. D), or "both": -c <= theta' <= c
     geonorm_affine: bool = True
     geonorm_radius: str = "embedding"
     # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
@@ -234,6 +236,7 @@ def check_config(c: GPTConfig) -> None:
     _check_choice("dnt_setting", c.dnt_setting, tuple(DNT_SETTINGS))
     _check_choice("geonorm_decay", c.geonorm_decay, GEONORM_DECAYS)
     _check_choice("geonorm_radius", c.geonorm_radius, GEONORM_RADII)
+    _check_choice("geonorm_clamp_sides", c.geonorm_clamp_sides, GEONORM_CLAMP_SIDES)
     _check_choice("mlp", c.mlp, ("gelu", "swiglu"))
     _check_choice("pos", c.pos, ("learned", "rope"))
     _check_choice("rezero_gate", c.rezero_gate, ("update", "block"))
@@ -315,7 +318,7 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
         decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return GeodesicStep(decay, config.geonorm_clamp, config.geonorm_affine)
+        return GeodesicStep(decay, config.geonorm_clamp, config.geonorm_affine, config.geonorm_clamp_sides)
     if rule == "rezero":
         return ReZeroAdd()
     if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)

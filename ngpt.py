@@ -161,14 +161,15 @@ class SphereAttention(nn.Module):
 
 
 class SphereMLP(nn.Module):
-    """nGPT's MLP (§2.4.2): unit-norm maps, and u <- s_u * u, v <- s_v * sqrt(d) * v before u * SiLU(v)
-    (eq. 20, 21; s_u, s_v init 1, scale 1). The sqrt(d) lifts v, a cosine of order 1/sqrt(d), out of
+    """nGPT's MLP (§2.4.2): unit-norm maps, and u <- s_u * sqrt(d) * u, v <- s_v * sqrt(d) * v before
+    u * SiLU(v) (s_u, s_v init 1, scale 1). The sqrt(d) lifts v, a cosine of order 1/sqrt(d), out of
     SiLU's near-linear range.
 
-    NVIDIA/ngpt puts the sqrt(d) on u as well. Without biases (as in the paper) the MLP's output is
-    used only after Norm (eq. 11), which makes it 0-homogeneous in u: a constant on u changes neither
-    the forward pass nor any gradient, so the paper's form is followed and no option is needed. With
-    mlp="gelu" (not in the paper) the one input map feeds the nonlinearity and takes v's scaling.
+    The sqrt(d) on u is NVIDIA/ngpt's (its s_uv times sqrt(n_embd) multiplies u and v); the paper's eq. 20
+    has u <- s_u * u. Without biases (nGPT has none) the two are one model: the MLP's output is used only
+    after Norm (eq. 11), which makes it 0-homogeneous in u. With `bias=True` (an option of this project)
+    they differ, through the output projection's bias, and this follows the released code. With
+    mlp="gelu" (not in nGPT) the one input map feeds the nonlinearity and takes v's scaling.
     """
 
     def __init__(self, config: GPTConfig):
@@ -180,10 +181,10 @@ class SphereMLP(nn.Module):
         self.proj = SphereLinear(hidden, d, config.bias, unit_dim=0)
         self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
         self.s_v = LearnedScale(hidden, 1.0, 1.0)
-        self.v_gain = math.sqrt(d)
+        self.sqrt_d = math.sqrt(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v_scale = self.s_v() * self.v_gain
+        v_scale = self.s_v() * self.sqrt_d
         if not self.swiglu:
             return self.proj(F.gelu(self.fc(x, v_scale)))
-        return self.proj(self.fc(x, self.s_u()) * F.silu(self.gate(x, v_scale)))
+        return self.proj(self.fc(x, self.s_u() * self.sqrt_d) * F.silu(self.gate(x, v_scale)))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn import functional as F
 
 from layers import GeodesicStep, HeadwiseRMSNorm, ScaledAdd, geonorm_decay
 from model import (
-    DNT_SETTINGS,
     ELEMENTWISE_NORMS,
     GPT,
     NORM_TYPES,
@@ -37,6 +37,23 @@ def residual_stream(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     for block in model.blocks:
         outs.append(block(outs[-1]))
     return outs
+
+
+def heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    return t.unflatten(-1, (n_head, -1)).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
+
+
+def reference_attention(attn: nn.Module, x: torch.Tensor, norm_q, norm_k, norm_v,
+                        scale: float | None = None) -> torch.Tensor:
+    """out_proj(softmax(scale Q K^T, causal) V) with the given maps on Q, K, V, written out; scale
+    1/sqrt(d_h) unless given."""
+    q, k, v = (heads(norm(proj(x)), attn.n_head) for norm, proj in
+               [(norm_q, attn.q_proj), (norm_k, attn.k_proj), (norm_v, attn.v_proj)])
+    T = x.shape[1]
+    logits = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    y = (logits.softmax(-1) @ v).transpose(1, 2).flatten(2)
+    return attn.out_proj(y)
 
 
 # ----------------------------------------------------------------------------- the core GPT
@@ -131,19 +148,28 @@ def test_geonorm_preserves_token_norm(decay):
         torch.testing.assert_close(n, norms[0], rtol=1e-12, atol=0)
 
 
-def test_geonorm_applied_angle_never_exceeds_clamp():
+@pytest.mark.parametrize("sides", ["upper", "both"])
+def test_geonorm_applied_angle_respects_the_clamp(sides):
+    """theta' <= c always (eq. 5's min); with sides="both" also theta' >= -c. Below -c the upper-only step
+    keeps the angle (a * theta + b) * decay itself."""
     torch.manual_seed(0)
-    step = GeodesicStep(decay=1.0, clamp=math.pi / 8).double()
+    c = math.pi / 8
+    config = tiny(norm_scheme="geonorm", geonorm_decay="none", geonorm_clamp=c, geonorm_clamp_sides=sides)
+    step = GPT(config).blocks[0].attn.combine.double()
     x, s = torch.randn(1000, 16, dtype=torch.float64), 10 * torch.randn(1000, 16, dtype=torch.float64)
     for a, b in [(1.0, 0.0), (50.0, 3.0), (-50.0, -3.0), (1.0, 10.0)]:
         step.a.data.fill_(a)
         step.b.data.fill_(b)
         theta = step.angle(x, s)[0]
-        assert theta.abs().max().item() <= math.pi / 8 + 1e-15
-        # the step moves x by exactly |theta| along the great circle
+        assert theta.max().item() <= c + 1e-15
+        if sides == "both":
+            assert theta.min().item() >= -c - 1e-15
+        elif a < 0:  # every theta is c here, so the angle is -50c - 3, far below -c
+            torch.testing.assert_close(theta, torch.full_like(theta, -50 * c - 3), rtol=1e-12, atol=0)
+        # the step moves x by exactly theta' along the great circle (|theta'| mod 2 pi, as arccos sees it)
         moved = step(x, s)
         cos = (moved * x).sum(-1) / (x.norm(dim=-1) * moved.norm(dim=-1))
-        torch.testing.assert_close(cos.clamp(-1, 1).acos(), theta.squeeze(-1).abs(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(cos, theta.squeeze(-1).cos(), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("decay", ["harmonic", "sqrt", "linear", "none"])
@@ -175,48 +201,98 @@ def test_geonorm_a_and_b_receive_gradients():
         assert step.b.grad is not None and step.b.grad.abs() > 0
 
 
-def eq5_reference(x: np.ndarray, s: np.ndarray, a: float, b: float, decay: float, c: float) -> np.ndarray:
-    """GeoNorm eq. 5 for one residual update, token by token, in float64 numpy."""
+def eq5_reference(x: np.ndarray, s: np.ndarray, a: float, b: float, decay: float, c: float,
+                  clamped: list) -> np.ndarray:
+    """GeoNorm eq. 5 for one residual update, token by token, in float64 numpy; appends to `clamped` the
+    decay of every token whose final min(., c) binds."""
     out = np.empty_like(x)
     for i, (xi, si) in enumerate(zip(x.reshape(-1, x.shape[-1]), s.reshape(-1, s.shape[-1]), strict=True)):
         r = max(np.linalg.norm(xi), 1e-6)
         v = si - (xi @ si) / r**2 * xi
         vn = max(np.linalg.norm(v), 1e-8)
-        theta = min(vn / r, c)
-        theta = min(max((a * theta + b) * decay, -c), c)
+        theta = (a * min(vn / r, c) + b) * decay
+        if theta > c:
+            clamped.append(decay)
+            theta = c
         out.reshape(-1, x.shape[-1])[i] = math.cos(theta) * xi + r * math.sin(theta) * v / vn
     return out
 
 
 def test_geonorm_block_matches_independent_eq5():
     model = geonorm_model(geonorm_decay="harmonic")
-    for l, block in enumerate(model.blocks):  # learned a, b away from init, so both enter
+    # learned a, b away from init, so both enter; the MLP's b takes its angle past the clamp in blocks 0 and 1
+    # (this tiny model's angles ||v|| / ||x|| are below 0.01, so b sets theta')
+    for l, block in enumerate(model.blocks):
         for k, update in enumerate((block.attn, block.mlp)):
-            update.combine.a.data.fill_(0.7 + 0.1 * k)
-            update.combine.b.data.fill_(0.05 * l)
+            update.combine.a.data.fill_(0.7 + 0.5 * k)
+            update.combine.b.data.fill_(0.05 * l + 1.95 * k)
     x = model.embed(tokens())
-    c = model.config.geonorm_clamp
+    c, clamped = model.config.geonorm_clamp, []
     for l, block in enumerate(model.blocks):
         ref = x.detach().numpy()
         for update in (block.attn, block.mlp):
             s = update.sublayer(torch.from_numpy(ref)).detach().numpy()
-            ref = eq5_reference(ref, s, update.combine.a.item(), update.combine.b.item(), 1 / (l + 1), c)
+            ref = eq5_reference(ref, s, update.combine.a.item(), update.combine.b.item(), 1 / (l + 1), c, clamped)
         x = block(x)
         # float64 with identical inputs to each sub-layer: only summation-order rounding differs
         np.testing.assert_allclose(x.detach().numpy(), ref, rtol=1e-10, atol=1e-12)
+    # the final clamp binds after a decay below 1, so the order "decay, then clamp" is checked too
+    assert any(decay < 1 for decay in clamped)
 
 
 # ----------------------------------------------------------------------------- Post-Norm, DeepNorm
 
 
-def test_post_norm_outputs_have_the_norms_scale():
+def layer_norm(t: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(t, t.shape[-1:], eps=1e-5)  # a LayerNorm at its init: unit gain, zero bias
+
+
+def spec_update(scheme: str, place: str, x: torch.Tensor, f, j: int, L: int) -> torch.Tensor:
+    """SPEC §2's update j (1..2L) of the residual stream x, with sub-layer f at "attn" or "mlp"."""
+    if scheme == "pre":
+        return x + f(layer_norm(x))
+    if scheme == "pre_alt":  # GeoNorm eq. 13
+        return math.sqrt(j / (j + 1)) * x + f(layer_norm(x)) / math.sqrt(j + 1)
+    if scheme == "post":
+        return layer_norm(x + f(x))
+    if scheme == "deepnorm":
+        return layer_norm((2 * L) ** 0.25 * x + f(x))
+    if scheme == "sandwich":
+        return x + layer_norm(f(layer_norm(x)))
+    if scheme == "dnt":  # S5: pre-norm before attention only, mid-norm after both
+        return x + layer_norm(f(layer_norm(x) if place == "attn" else x))
+    if scheme == "lipschitz":  # convex residual over L blocks, each sub-layer output times 1/3
+        return (L - 1) / L * x + f(x) / 3 / L
+    assert scheme == "none"
+    return x + f(x)
+
+
+@pytest.mark.parametrize("scheme", ["pre", "pre_alt", "post", "deepnorm", "sandwich", "dnt", "lipschitz", "none"])
+def test_each_residual_update_computes_its_schemes_equation(scheme):
     torch.manual_seed(0)
-    for scheme in ("post", "deepnorm"):
-        model = GPT(tiny(norm_scheme=scheme))
-        for x in residual_stream(model, tokens())[1:]:
-            # LayerNorm with unit gain, zero bias: each token has mean 0 and variance 1 - O(eps)
-            torch.testing.assert_close(x.mean(-1), torch.zeros(x.shape[:-1]), atol=1e-5, rtol=0)
-            torch.testing.assert_close(x.var(-1, unbiased=False), torch.ones(x.shape[:-1]), atol=1e-3, rtol=0)
+    model = GPT(tiny(norm_scheme=scheme)).double()
+    L = model.config.n_layer
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    for l, block in enumerate(model.blocks):
+        for k, (place, update) in enumerate((("attn", block.attn), ("mlp", block.mlp))):
+            expected = spec_update(scheme, place, x, update.sublayer, 2 * l + k + 1, L)
+            x = update(x)
+            torch.testing.assert_close(x, expected, rtol=0, atol=1e-12)  # float64: rounding only
+
+
+@pytest.mark.parametrize("scheme, scale", [("pre", 1 / math.sqrt(16)), ("lipschitz", 1 / 16)])
+def test_attention_logits_take_the_schemes_scale(scheme, scale):
+    """1/sqrt(d_h) for the standard attention, 1/d_h in the Lipschitz block (Bir et al. §4.3); d_h = 16."""
+    torch.manual_seed(0)
+    attn = GPT(tiny(norm_scheme=scheme)).double().blocks[0].attn.sublayer
+    with torch.no_grad():  # logits of order 10, so that their scale shows in the softmax
+        attn.q_proj.weight.mul_(10 / attn.q_proj.weight.norm(dim=1, keepdim=True))
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    identity = nn.Identity()
+    torch.testing.assert_close(attn(x), reference_attention(attn, x, identity, identity, identity, scale),
+                               rtol=0, atol=1e-12)
+    other = 1 / 16 if scale != 1 / 16 else 1 / math.sqrt(16)
+    assert not torch.allclose(attn(x), reference_attention(attn, x, identity, identity, identity, other), atol=1e-3)
 
 
 def test_deepnorm_alpha_and_init_gains():
@@ -278,7 +354,9 @@ def test_dnt_settings_build_the_documented_norms(setting, per_block, global_norm
 
 
 def test_dnt_default_is_s5_with_xavier_init():
-    assert GPTConfig(norm_scheme="dnt").scheme == DNT_SETTINGS["S5"]
+    s5 = GPTConfig(norm_scheme="dnt").scheme  # SPEC §2: input norm, QK-norm, pre-norm before attention only, mid-norms
+    assert (s5.input_norm, s5.pre_norm, s5.qk_norm, s5.mid_norm, s5.final_norm) == (True, "attn", True, True, True)
+    assert GPTConfig(norm_scheme="dnt", dnt_setting="S5").scheme == s5
     torch.manual_seed(0)
     model = GPT(tiny(norm_scheme="dnt", n_embd=64, n_head=4, n_layer=4))
     q = torch.cat([b.attn.sublayer.q_proj.weight.flatten() for b in model.blocks])

@@ -182,24 +182,36 @@ def test_s_qk_scales_unit_queries_and_keys_per_head_with_softmax_scale_sqrt_dk_e
     torch.testing.assert_close(attn(h), expected, atol=1e-12, rtol=0)
 
 
-def test_s_u_and_s_v_scale_the_swiglu_inputs_with_sqrt_d_on_v_eq_20_21():
-    model = tiny_ngpt()
+@pytest.mark.parametrize("bias", [False, True])
+def test_s_u_and_s_v_scale_the_swiglu_inputs_with_sqrt_d_eq_20_21(bias):
+    """u <- u s_u sqrt(d), v <- v s_v sqrt(d) (NVIDIA/ngpt; eq. 20 has no sqrt(d) on u, which without
+    biases is the same model: see the next test). With biases, the output scale multiplies them too."""
+    model = tiny_ngpt(bias=bias)
     mlp = model.blocks[0].mlp.sublayer
     d, hidden = 32, mlp.proj.in_features
     for s in (mlp.s_u, mlp.s_v):  # §2.6: init 1, scale 1
         torch.testing.assert_close(s(), torch.ones(hidden, dtype=torch.float64))
         torch.testing.assert_close(s.param, torch.ones(hidden, dtype=torch.float64))
     randomize_scalings(model)
+    with torch.no_grad():  # biases away from their zero init, so that they enter
+        for layer in (mlp.fc, mlp.gate, mlp.proj):
+            if bias:
+                layer.bias.normal_(0, 0.1, generator=torch.Generator().manual_seed(4))
     h = unit_rows(16, d)
-    u = (h @ mlp.fc.weight.T) * mlp.s_u.param  # eq. 20: u <- u s_u
-    v = (h @ mlp.gate.weight.T) * mlp.s_v.param * math.sqrt(d)  # eq. 21: v <- v s_v sqrt(d_model)
-    expected = (u * F.silu(v)) @ mlp.proj.weight.T  # SwiGLU(u, v) = u * SiLU(v), then W_o
+
+    def affine(layer, x):
+        return x @ layer.weight.T + (layer.bias if bias else 0)
+
+    u = affine(mlp.fc, h) * mlp.s_u.param * math.sqrt(d)  # eq. 20, with the released code's sqrt(d)
+    v = affine(mlp.gate, h) * mlp.s_v.param * math.sqrt(d)  # eq. 21: v <- v s_v sqrt(d_model)
+    expected = affine(mlp.proj, u * F.silu(v))  # SwiGLU(u, v) = u * SiLU(v), then W_o
+    # float64: rounding only (values of order sqrt(d) * 3)
     torch.testing.assert_close(mlp(h), expected, atol=1e-12, rtol=0)
 
 
 def test_a_constant_on_u_leaves_the_mlp_update_unchanged():
-    """NVIDIA/ngpt multiplies u by sqrt(d) too; the update normalizes the MLP's output, so that constant
-    cannot matter and the paper's form is all there is to implement."""
+    """Without biases the update normalizes the MLP's output, so a constant on u (eq. 20's u s_u against the
+    released code's u s_u sqrt(d)) cannot matter."""
     model = tiny_ngpt()
     randomize_scalings(model)
     update, h = model.blocks[0].mlp, unit_rows(16, 32)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from test_model import NORM_MODULES, count, residual_stream, tiny, tokens
+from test_model import NORM_MODULES, count, reference_attention, residual_stream, tiny, tokens
 from torch.nn import functional as F
 
 from layers import DynamicErf, DynamicTanh, ReZeroAdd
@@ -18,21 +18,6 @@ EPS = 1e-5  # GPTConfig.norm_eps, used by the references below
 def double_model(**kw) -> GPT:
     torch.manual_seed(0)
     return GPT(tiny(**kw)).double()
-
-
-def heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    return t.unflatten(-1, (n_head, -1)).transpose(1, 2)  # (B, T, C) -> (B, H, T, D)
-
-
-def reference_attention(attn: nn.Module, x: torch.Tensor, norm_q, norm_k, norm_v) -> torch.Tensor:
-    """out_proj(softmax(Q K^T / sqrt(d_h), causal) V) with the given maps on Q, K, V, written out."""
-    q, k, v = (heads(norm(proj(x)), attn.n_head) for norm, proj in
-               [(norm_q, attn.q_proj), (norm_k, attn.k_proj), (norm_v, attn.v_proj)])
-    T = x.shape[1]
-    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
-    y = (logits.softmax(-1) @ v).transpose(1, 2).flatten(2)
-    return attn.out_proj(y)
 
 
 def rms_per_head(n_head: int):

@@ -29,14 +29,15 @@ from layers import (
 from model import GPT, GPTConfig
 
 
-def eq5_autograd(x, s, a, b, decay: float, clamp: float) -> torch.Tensor:
-    """GeoNorm eq. 5 as a chain of eager ops, differentiated by autograd (the step before it was fused)."""
+def eq5_autograd(x, s, a, b, decay: float, clamp: float, lowest: float = -math.inf) -> torch.Tensor:
+    """GeoNorm eq. 5 as a chain of eager ops, differentiated by autograd (the step before it was fused);
+    the applied angle clamped to [lowest, clamp]."""
     radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
     dot = (x * s).sum(-1, keepdim=True)
     v = torch.addcmul(s, x, -dot / radius.square())
     v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
     theta = (v_norm / radius).clamp_max(clamp)
-    theta = ((a * theta + b) * decay).clamp(-clamp, clamp)
+    theta = ((a * theta + b) * decay).clamp(lowest, clamp)
     return torch.addcmul(torch.cos(theta) * x, v, radius * torch.sin(theta) / v_norm)
 
 
@@ -66,7 +67,9 @@ def test_row_dot_takes_rows_in_pairs_and_equals_a_multiply_and_sum(shape):
 
 @pytest.mark.parametrize("a, b, decay, clamp", [(1.0, 0.0, 1.0, math.pi / 4), (0.7, 0.05, 0.5, math.pi / 4),
                                                 (1.3, -0.4, 1 / 3, math.pi / 8), (-2.0, 0.1, 1.0, math.pi / 2)])
-def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp):
+@pytest.mark.parametrize("sides", ["upper", "both"])
+def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp, sides):
+    lowest = -clamp if sides == "both" else -math.inf
     x, s = step_inputs()
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     results = []
@@ -74,7 +77,7 @@ def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp):
         xs = [x.clone().requires_grad_(), s.clone().requires_grad_(),
               torch.tensor(a, dtype=torch.float64, requires_grad=True),
               torch.tensor(b, dtype=torch.float64, requires_grad=True)]
-        out = fn(*xs, decay, clamp)
+        out = fn(*xs, decay, clamp, lowest)
         out.backward(grad_out)
         results.append([out.detach()] + [t.grad for t in xs])
     # float64, same formula, different summation order: 1e-12 relative leaves room for ~1e-15 rounding
@@ -87,7 +90,7 @@ def test_geodesic_step_guards_a_zero_tangent_like_eq5():
     where it is (the gradient there is noise over 1e-8, so only the forward is compared)."""
     x, s = step_inputs(parallel_token=True)
     a, b = torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
-    out = GeodesicStepFunction.apply(x, s, a, b, 1.0, math.pi / 4)
+    out = GeodesicStepFunction.apply(x, s, a, b, 1.0, math.pi / 4, -math.inf)
     torch.testing.assert_close(out, eq5_autograd(x, s, a, b, 1.0, math.pi / 4), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[0, 0], x[0, 0], rtol=1e-12, atol=1e-12)
 
@@ -97,13 +100,13 @@ def test_geodesic_step_passes_gradcheck():
     a = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
     b = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
     inputs = (x.requires_grad_(), s.requires_grad_(), a, b)
-    assert torch.autograd.gradcheck(lambda *t: GeodesicStepFunction.apply(*t, 0.5, math.pi / 4), inputs)
+    assert torch.autograd.gradcheck(lambda *t: GeodesicStepFunction.apply(*t, 0.5, math.pi / 4, -math.inf), inputs)
 
 
 def test_geodesic_step_float32_forward_equals_todays_formula():
     x, s = step_inputs(torch.float32, shape=(4, 64, 256))
     a, b = torch.tensor(0.9), torch.tensor(0.02)
-    fused = GeodesicStepFunction.apply(x, s, a, b, 0.5, math.pi / 4)
+    fused = GeodesicStepFunction.apply(x, s, a, b, 0.5, math.pi / 4, -math.inf)
     # float32, sums taken in another order: a few ulps of the output's scale
     torch.testing.assert_close(fused, eq5_autograd(x, s, a, b, 0.5, math.pi / 4), rtol=2e-6, atol=2e-6)
 
