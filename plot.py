@@ -66,7 +66,11 @@ def run_config(out_dir: str) -> dict | None:
     from model import GPTConfig
 
     # mmap: only the two small dicts are read, not the weights and optimizer state
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
+        raise PlotError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move it away to label "
+                        "the run by its run.json or folder name") from None
     model_args = ckpt.get("model_args", {})
     try:  # the scheme's primitives as the run used them (an override left at None takes the row's value)
         scheme = GPTConfig(**model_args).scheme._asdict()
@@ -293,15 +297,14 @@ def unigram_loss(data_dir: str, dataset: str) -> float | None:
 
 def load_lr_sweeps(roots: list[str]) -> dict:
     """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
+    import sweep
+
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
     for root in roots:
-        path = os.path.join(root, "summary.json")
-        if not os.path.exists(path):
-            raise PlotError(f"{root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
-        with open(path) as f:
-            summary = json.load(f)
-        if "lr_points" not in summary:
-            raise PlotError(f"{root} is a sweep without --lr_grid; --lr_sweep needs one with it")
+        try:
+            summary = sweep.read_lr_summary(root)
+        except sweep.SweepError as e:
+            raise PlotError(str(e)) from None
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -331,6 +334,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
+    from sweep import first_seed_runs
+
     sweep = load_lr_sweeps(roots)
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
     refs = dict(references or {})
@@ -338,7 +343,6 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""))
         if uni is not None:
             refs["unigram (context ignored)"] = uni
-    first_seed = min((r["seed"] for r in sweep["runs"]), default=None)
     labels = [point_label(p, keys) for p in sweep["lr_points"]]
     for point, label in zip(sweep["lr_points"], labels, strict=True):  # one setting in two sweeps: name the sweep
         point["label"] = label + (f" ({os.path.basename(os.path.normpath(point['root']))})"
@@ -347,10 +351,9 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     failed: dict[str, list[float]] = {}
     for point in sweep["lr_points"]:
         label = point["label"]
-        for r in sweep["runs"]:
-            if r["seed"] != first_seed or r["root"] != point["root"] or any(
-                    str(r.get(k)) != str(point.get(k)) for k in keys):
-                continue
+        runs = [r for r in sweep["runs"] if r["root"] == point["root"] and all(
+            str(r.get(k)) == str(point.get(k)) for k in keys)]
+        for r in first_seed_runs(runs, lr_key):  # the seed that ran every rate, as sweep.py picks it
             loss = r.get("val_loss")
             ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \
                 and math.isfinite(loss)
@@ -401,9 +404,17 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", title="sorted by mean loss at the best rate (mean ± std, n)",
               title_fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    size = f"L{setup.get('n_layer')} d{setup.get('n_embd')} T{setup.get('block_size')}" if setup else ""
-    title = (f"{size}, {setup.get('data')}, {setup.get('max_iters')} steps, {setup.get('optimizer')}; "
-             f"{setup.get('seeds')} seeds at each best rate (squares: mean ± std)") if setup else "learning-rate sweep"
+    swept = {k for key in keys for k in key.split("+")}  # a grid key has a value per curve, none for the title
+
+    def fixed(text: str, *names: str) -> str | None:  # the setup's value, unless the grid sweeps what sets it
+        return None if swept & set(names) else text.format(**setup)
+
+    size = " ".join(filter(None, [fixed("L{n_layer}", "n_layer"), fixed("d{n_embd}", "n_embd"),
+                                  fixed("T{block_size}", "block_size", "icl_pairs")]))
+    facts = [size, fixed("{data}", "dataset", "icl_pairs"), fixed("{max_iters} steps", "max_iters"),
+             fixed("{optimizer}", "optimizer")] if setup else []
+    title = (", ".join(filter(None, facts)) + f"; {setup.get('seeds')} seeds at each best rate (squares: mean ± std)"
+             if setup else "learning-rate sweep")
     hidden = hidden_curves(curves)
     if hidden:
         title += "\nhidden under another curve: " + "; ".join(f"{a} under {b}" for a, b in hidden)

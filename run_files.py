@@ -130,7 +130,7 @@ def _temporary_file(tmp: str) -> Iterator[BinaryIO]:
         raise
 
 
-def _write_atomically(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes) -> None:
     """Write path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
     tmp = f"{path}.tmp"
     with _temporary_file(tmp) as f:
@@ -150,7 +150,7 @@ def recorded_checksums(path: str) -> list[str]:
 
 def _write_checksums(path: str, digests: list[str]) -> None:
     lines = "".join(f"{d}  {os.path.basename(path)}\n" for d in dict.fromkeys(digests))
-    _write_atomically(checksum_path(path), lines.encode())
+    write_atomically(checksum_path(path), lines.encode())
 
 
 def save_checkpoint(path: str, state: dict) -> None:

@@ -18,16 +18,29 @@ point's best rate, mean ± std (n) at it, the rates that diverged, the learning-
 warning when the best rate is an edge of the grid or failed on a later seed. With --baseline, `verdict`
 (below) compares each point's per-seed losses at its best rate with the baseline's: Welch's t-test, or the
 paired t-test when both share their seeds, two-sided at p < 0.05, giving "reproduced", "contradicted" or
-"inconclusive at this scale" for the claim that the point's loss is lower (--claim higher: higher). Two
+"inconclusive at this scale" for the claim that the point's loss is lower (--claim higher: higher). A
+decisive word needs at least 3 seeds in each arm, a grid of at least 5 distinct rates and each arm's best
+rate inside it, not on an edge (a single rate is its own edge): otherwise the word is "inconclusive at this
+scale" and the table says why. An arm that trained at no rate gets "no verdict: trained at no rate". Two
 rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
+--leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
+of another setup says what differs in place of a verdict.
+
+Without --lr_grid every arm runs at one learning rate, which is not a comparison (SPEC §9): a plain grid
+prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
+tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
 output goes to out_dir/train.log, its exit code and wall time to out_dir/run.json, and the tables to
 OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's; the mean ± std over seeds
 leaves out runs that diverged or crashed. The same command continues a sweep: runs evaluated at max_iters
-(or diverged) are skipped unless --rerun, an unfinished run with a checkpoint resumes.
-Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments.
+(or diverged) are skipped unless --rerun, an unfinished run with a checkpoint resumes. A run folder whose
+run.json records another command (another config, other --set values: another sweep's run) is neither
+skipped nor resumed: the sweep stops and names it (another --out_root, or --rerun to replace it). A grid
+value, seed or rate given twice is refused; run.json and the summaries are written whole or not at all.
+Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments
+or a result file that cannot be read.
 """
 
 from __future__ import annotations
@@ -43,10 +56,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict
 
 import train
 from model import GPTConfig
-from plot import diverged_at, load_metrics
+from plot import IGNORED_FLAGS, diverged_at, load_metrics
+from run_files import write_atomically
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
@@ -58,10 +73,15 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
            "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
            "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}")}
+NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
+              "(SPEC §9); --lr_grid runs each arm at its own best rate and gives the verdict rule's word")
 JOBS_HELP = """runs at a time: N, or auto = max(1, cores // threads_per_run). Each run gets OMP_NUM_THREADS=
 threads_per_run, by default all cores, so auto runs one at a time: torch already spreads a run's matmuls over
 every core, and runs sharing cores gain little while their ms/iter measures the contention, not the model.
 With --jobs N alone, each run gets cores // N threads."""
+
+
+RESUME_FLAGS = ("init_from", "overwrite")  # what sweep.py adds to a command to resume or redo a run
 
 
 class SweepError(ValueError):
@@ -69,10 +89,7 @@ class SweepError(ValueError):
 
 
 def is_positive_number(text: str) -> bool:
-    try:
-        return float(text) > 0 and math.isfinite(float(text))
-    except ValueError:
-        return False
+    return is_number(text) and float(text) > 0 and math.isfinite(float(text))
 
 
 def parse_assignments(items: list[str], flag: str) -> dict[str, str]:
@@ -81,8 +98,31 @@ def parse_assignments(items: list[str], flag: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not (key and sep and value):
             raise SweepError(f"cannot read {flag} {item!r}; write {flag} key=value")
+        if key in pairs:
+            raise SweepError(f"{flag} {key}= is given twice ({pairs[key]} and {value}); give each key once")
         pairs[key] = value
     return pairs
+
+
+def distinct_values(text: str, flag: str) -> list[str]:
+    """The comma-separated values of a flag, refusing a value given twice (numbers compared as numbers:
+    1e-3 and 0.001 are one rate), which would plan two runs into one folder."""
+    values = text.split(",")
+    seen: dict[object, str] = {}
+    for v in values:
+        key = float(v) if is_number(v) else v
+        if key in seen:
+            raise SweepError(f"{flag}: {seen[key]} and {v} are the same value; give each value once")
+        seen[key] = v
+    return values
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def expand_grid(grid: dict[str, list], seeds: list[int] | None = None) -> list[dict]:
@@ -127,13 +167,40 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
             cfg, _ = train.load_config(argv)  # checks every key and value before anything runs
         except train.ConfigError as e:
             raise SweepError(f"{e} (run {run_name(point)})" if point else str(e)) from None
+        if any(job["out_dir"] == out_dir for job in jobs):
+            raise SweepError(f"two runs would write {out_dir}; give each grid value and seed once")
         state = "new" if rerun else run_state(out_dir, cfg.max_iters)
+        if state != "new":
+            check_same_run(out_dir, argv)
         if state == "resume":
             argv.append("--init_from=resume")
         elif os.path.exists(os.path.join(out_dir, "ckpt.pt")):
             argv.append("--overwrite=True")
         jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state})
     return jobs
+
+
+def flag_values(argv: list[str]) -> dict[str, str]:
+    """{key: value} of a train.py command's --key=value flags, and the config file under "config" (its full
+    path), leaving out out_dir (a copied sweep keeps its runs) and what a resumed run adds (RESUME_FLAGS)."""
+    flags = dict(a[2:].partition("=")[::2] for a in argv if a.startswith("--"))
+    config = [os.path.realpath(a) for a in argv if not a.startswith("--")]
+    kept = {k: v for k, v in flags.items() if k not in (*RESUME_FLAGS, "out_dir")}
+    return {**kept, "config": config[0] if config else None}
+
+
+def check_same_run(out_dir: str, argv: list[str]) -> None:
+    """Refuse to skip or resume a run whose run.json records another command (another config or other
+    settings: another sweep's run), which would report its losses as this sweep's."""
+    stored = read_json(os.path.join(out_dir, "run.json")).get("argv")
+    if stored is None:  # stopped before its first run.json: nothing recorded to compare
+        return
+    mine, theirs = flag_values(argv), flag_values(stored)
+    differ = [f"{k}={mine.get(k, '(unset)')} here, {theirs.get(k, '(unset)')} there"
+              for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise SweepError(f"{out_dir} holds a run of another sweep ({'; '.join(differ)}); give another --out_root, "
+                         "or --rerun to run it again with these settings (its files are replaced)")
 
 
 def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]:
@@ -158,16 +225,29 @@ def launch(job: dict, threads: int) -> dict:
                               env=env).returncode
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
             "wall_s": before + time.perf_counter() - start, "threads": threads}
-    with open(info_path, "w") as f:
-        json.dump(info, f, indent=1)
+    write_text(info_path, json.dumps(info, indent=1))
     return info
 
 
+def write_text(path: str, text: str) -> None:
+    """Write a whole file at once (a temporary file beside it, renamed over it): never half a file."""
+    write_atomically(path, text.encode())
+
+
 def read_json(path: str) -> dict:
+    """The JSON object in path ({} if there is none); a file cut off or not an object is a SweepError."""
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, OSError) as e:
+        raise SweepError(f"{path} cannot be read ({e.__class__.__name__}: cut off or corrupt); move it away or "
+                         "delete it, then run the command that wrote it again") from None
+    if not isinstance(data, dict):
+        raise SweepError(f"{path} holds no JSON object; move it away or delete it, then run the command that "
+                         "wrote it again")
+    return data
 
 
 def summarize(out_dirs: list[str], extra: list[str] | None = None) -> list[dict]:
@@ -264,28 +344,31 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
     execute(pending, workers, threads)
     rows = summarize([job["out_dir"] for job in todo], extra)
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
-                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [])
+                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
+                  NO_VERDICT if baseline else None)
     return rows
 
 
 def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
-                  extra: list[str] = ()):
-    """Print the two tables and write them to out_root/summary.md and summary.json."""
+                  extra: list[str] = (), note: str | None = None):
+    """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json."""
     run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", *extra, "diverged_at",
                    "exit_code", "wall_s", "ms_per_iter"]
     text = "\n\n".join([format_table(rows, run_columns),
-                        format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"])])
+                        format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"]),
+                        *([note] if note else [])])
     print("\n" + text)
     os.makedirs(out_root, exist_ok=True)
-    with open(os.path.join(out_root, "summary.md"), "w") as f:
-        f.write(f"# {title}\n\n{text}\n")
-    with open(os.path.join(out_root, "summary.json"), "w") as f:
-        json.dump({"runs": rows, "grid_points": points}, f, indent=1)
+    write_text(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n")
+    write_text(os.path.join(out_root, "summary.json"), json.dumps({"runs": rows, "grid_points": points}, indent=1))
 
 
 # ----------------------------------------------------------------------------- the verdict rule
 
 VERDICT_P = 0.05  # two-sided significance level of the verdict rule
+MIN_SEEDS = 3  # seeds per arm before the rule gives a decisive word (SPEC §9)
+MIN_RATES = 5  # distinct rates of an --lr_grid before its table gives one (SPEC §9)
+INCONCLUSIVE = "inconclusive at this scale"
 
 
 def _incomplete_beta(a: float, b: float, x: float) -> float:
@@ -340,31 +423,33 @@ def compare_arms(a: list[float], b: list[float], paired: bool = False) -> dict:
 def verdict(claimed: list[float], other: list[float], claim: str = "lower", paired: bool = False) -> dict:
     """The one verdict rule: does `claimed` have a lower (claim="lower") or higher final loss than `other`?
 
-    Each list holds one final loss per seed; a diverged run counts as +inf. With every loss finite:
-    `compare_arms` (Welch's t-test, or paired by seed), then "reproduced" if p < VERDICT_P and the
-    difference has the claimed sign, "contradicted" if p < VERDICT_P against it, else "inconclusive at
-    this scale". With divergences: when one arm diverged on every seed and the other on none, the arm
-    that trained wins; any other mix is inconclusive. Fewer than 2 seeds per arm: inconclusive."""
+    Each list holds one final loss per seed; a diverged run counts as +inf. Fewer than MIN_SEEDS seeds in
+    an arm: "inconclusive at this scale", whatever the losses (SPEC §9: at least three seeds). Otherwise,
+    with every loss finite: `compare_arms` (Welch's t-test, or paired by seed), then "reproduced" if
+    p < VERDICT_P and the difference has the claimed sign, "contradicted" if p < VERDICT_P against it, else
+    "inconclusive at this scale". With divergences: when one arm diverged on every seed and the other on
+    none, the arm that trained wins; any other mix is inconclusive. `reason` says why a word is inconclusive."""
     if claim not in ("lower", "higher"):
         raise ValueError(f"claim={claim!r}: choose lower or higher")
     sign = -1.0 if claim == "lower" else 1.0  # the claimed sign of mean(claimed) - mean(other)
     bad_a, bad_b = (sum(not math.isfinite(x) for x in arm) for arm in (claimed, other))
     result = {"n": (len(claimed), len(other)), "diverged": (bad_a, bad_b), "paired": paired,
-              "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "p": None}
+              "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "p": None, "reason": None}
+    if not (bad_a or bad_b) and min(len(claimed), len(other)) >= 2:
+        result.update(compare_arms(claimed, other, paired))  # shown even where too few seeds decide nothing
+    if min(len(claimed), len(other)) < MIN_SEEDS:
+        return {**result, "verdict": INCONCLUSIVE,
+                "reason": f"{len(claimed)} and {len(other)} seeds: the rule needs {MIN_SEEDS} in each arm"}
     if bad_a or bad_b:
-        word = "inconclusive at this scale"
+        word, reason = INCONCLUSIVE, "diverged on some seeds and not on others"
         if bad_a == len(claimed) and bad_b == 0:  # only the claimed arm diverged, on every seed: its loss is higher
-            word = "reproduced" if claim == "higher" else "contradicted"
+            word, reason = "reproduced" if claim == "higher" else "contradicted", None
         elif bad_b == len(other) and bad_a == 0:
-            word = "reproduced" if claim == "lower" else "contradicted"
-        return {**result, "verdict": word}
-    if min(len(claimed), len(other)) < 2:
-        return {**result, "verdict": "inconclusive at this scale"}
-    stats = compare_arms(claimed, other, paired)
-    word = "inconclusive at this scale"
-    if stats["p"] < VERDICT_P:
-        word = "reproduced" if stats["diff"] * sign > 0 else "contradicted"
-    return {**result, **stats, "verdict": word}
+            word, reason = "reproduced" if claim == "lower" else "contradicted", None
+        return {**result, "verdict": word, "reason": reason}
+    if result["p"] < VERDICT_P:
+        return {**result, "verdict": "reproduced" if result["diff"] * sign > 0 else "contradicted"}
+    return {**result, "verdict": INCONCLUSIVE, "reason": f"p >= {VERDICT_P}"}
 
 
 # ----------------------------------------------------------------------------- learning-rate sweeps
@@ -433,7 +518,9 @@ def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
     best = min(trained, key=trained.get) if trained else None
     numeric = sorted(float(v) for v in lr_values)
     edge = None
-    if best is not None and len(numeric) > 1 and float(best) in (numeric[0], numeric[-1]):
+    if best is not None and len(set(numeric)) == 1:
+        edge = "the grid has one rate: give --lr_grid at least five"
+    elif best is not None and float(best) in (numeric[0], numeric[-1]):
         side = "lowest" if float(best) == numeric[0] else "highest"
         edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
     diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
@@ -457,6 +544,9 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
         raise SweepError(f"--lr_seeds {lr_seeds}: give 1 to the number of --seeds ({len(seeds)})")
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
     workers, threads = parallelism(jobs, threads_per_run)
+    if len(lr_values) < MIN_RATES and baseline:
+        print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so every one will be "
+              f"'{INCONCLUSIVE}'")
     first = plan_runs(config, {**grid, lr_key: lr_values}, seeds[:lr_seeds], fixed, out_root, rerun,
                       (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
@@ -485,7 +575,8 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
                      + (f" (scaling {', '.join(ratios)} with it)" if ratios else "") + f", seeds {seeds}"
                      + (f", rates picked on the mean over seeds {seeds[:lr_seeds]}" if lr_seeds > 1 else ""),
-                     run_setup(first[0]["argv"], len(seeds)) if first else {})
+                     {"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
+                      "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})
     return table
 
 
@@ -493,9 +584,19 @@ def run_setup(argv: list[str], n_seeds: int) -> dict:
     """What a figure's title states of a sweep: model size, data, steps, optimizer, seeds."""
     cfg, model_args = train.load_config(argv)
     size = {k: model_args.get(k, getattr(GPTConfig, k)) for k in ("n_layer", "n_embd", "block_size")}
+    if cfg.task == "icl" and "block_size" not in model_args:  # the task sets it (icl_task: 2 * icl_pairs)
+        size["block_size"] = 2 * cfg.icl_pairs
     data = cfg.dataset if cfg.task == "lm" else f"least squares (T {cfg.icl_pairs})"
     return {**size, "task": cfg.task, "data": data, "dataset": cfg.dataset, "data_dir": cfg.data_dir,
             "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds}
+
+
+def run_settings(argv: list[str]) -> dict:
+    """Every training and model setting of a run's command (the config's, the flags', the defaults), but for
+    the bookkeeping ones: what two sweeps must share for their points to be compared."""
+    cfg, model_args = train.load_config(argv)
+    settings = {**asdict(GPTConfig()), **model_args, **vars(cfg)}
+    return {k: v for k, v in settings.items() if k not in (*IGNORED_FLAGS, "seed")}
 
 
 def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
@@ -506,13 +607,64 @@ def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
     return "; ".join(w for w in (edge, fragile) if w) or None
 
 
+def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> str | None:
+    """Why one point's learning-rate sweep cannot back a verdict (SPEC §9: at least MIN_RATES rates, the
+    best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can."""
+    rates = sorted({float(r[lr_key]) for r in first_runs})
+    if best_lr is None:
+        return "no rate trained: every rate of the grid diverged or crashed"
+    if len(rates) < MIN_RATES:
+        return f"{len(rates)} rate{'s' * (len(rates) != 1)} in the grid; the rule needs {MIN_RATES}"
+    if float(best_lr) in (rates[0], rates[-1]):
+        return "best rate on the grid's edge"
+    return None
+
+
+def lr_verdict(losses: dict, base_losses: dict, claim: str, shortfalls: list[str | None]) -> dict:
+    """The verdict rule on two points' per-seed losses at their best rates (paired when they share their
+    seeds); a decisive word becomes "inconclusive at this scale" when either grid falls short."""
+    seeds = sorted(losses)
+    paired = seeds == sorted(base_losses)
+    v = verdict([losses[s] for s in seeds], [base_losses[s] for s in (seeds if paired else sorted(base_losses))],
+                claim, paired)
+    reason = "; ".join(dict.fromkeys(r for r in shortfalls if r))
+    if reason:
+        v = {**v, "verdict": INCONCLUSIVE, "reason": "; ".join(r for r in (v["reason"], reason) if r)}
+    return v
+
+
+def verdict_text(v: dict) -> str:
+    """A verdict as the tables print it: the word, then p and the reason it is inconclusive, if any."""
+    notes = [n for n in (f"p={v['p']:.3g}" if v["p"] is not None else None, v["reason"]) if n]
+    return v["verdict"] + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def compared(point: dict, base: dict, claim: str) -> dict:
+    """The verdict and Δ columns of one point against the baseline point: each a row of an lr table (best_lr,
+    seed_losses at it, grid_shortfall). A point that trained at no rate gets no word, and says so."""
+    if point["best_lr"] is None:
+        return {"verdict": "no verdict: trained at no rate (every rate diverged or crashed on the first seed)"}
+    if base["best_lr"] is None:
+        return {"verdict": "no verdict: the baseline trained at no rate"}
+    v = lr_verdict(point["seed_losses"], base["seed_losses"], claim, [point["grid_shortfall"], base["grid_shortfall"]])
+    return {"verdict": verdict_text(v), "diff": v["diff"]}
+
+
 def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
              claim: str) -> list[dict]:
     """One row per grid point: best rate, mean ± std (n) of the final val loss at it, and, given a
-    baseline point, the verdict rule's word for "this point's loss is `claim` than the baseline's"."""
+    baseline point, the verdict rule's word for "this point's loss is `claim` than the baseline's"
+    (`lr_verdict`: inconclusive when a grid is too short or a best rate on its edge). A point that trained
+    at no rate says so in place of a verdict."""
+    def runs_of(c: dict) -> list[dict]:
+        return [r for r in rows if all(str(r.get(k)) == str(c[k]) for k in keys)]
+
     def seeds_at_best(c: dict) -> dict[int, float]:
-        return {r["seed"]: final_loss(r) for r in rows if all(str(r.get(k)) == str(c[k]) for k in keys)
-                and c["best_lr"] is not None and str(r[lr_key]) == str(c["best_lr"])}
+        return {r["seed"]: final_loss(r) for r in runs_of(c) if c["best_lr"] is not None
+                and str(r[lr_key]) == str(c["best_lr"])}
+
+    def shortfall(c: dict) -> str | None:
+        return grid_shortfall(first_seed_runs(runs_of(c), lr_key), lr_key, c["best_lr"])
 
     base = next((c for c in choice if baseline and all(str(c[k]) == str(v) for k, v in baseline.items())), None)
     base_losses = seeds_at_best(base) if base else {}
@@ -525,20 +677,19 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
         row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
                "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
                "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": c["crashed_lrs"],
-               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses)}
-        if base is not None and c is not base and losses and base_losses:
-            paired = sorted(losses) == sorted(base_losses)
-            order = sorted(losses)
-            v = verdict([losses[s] for s in order], [base_losses[s] for s in (order if paired else base_losses)],
-                        claim, paired)
-            row["verdict"] = v["verdict"] + (f" (p={v['p']:.3g})" if v["p"] is not None else "")
+               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
+               "grid_shortfall": shortfall(c)}
+        if base is not None and c is not base:
+            row.update(compared(row, {"best_lr": base["best_lr"], "seed_losses": base_losses,
+                                      "grid_shortfall": shortfall(base)}, claim))
         table.append(row)
     return table
 
 
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
-                     extra: list[str], title: str, setup: dict) -> None:
-    """Print the run table and the per-point table; write both to out_root/summary.md and summary.json."""
+                     extra: list[str], title: str, recorded: dict) -> None:
+    """Print the run table and the per-point table; write both to out_root/summary.md and summary.json, with
+    `recorded` (the sweep's setup, its settings and the keys it sweeps: what --leaderboard compares)."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
     point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "lr_sensitivity",
@@ -548,11 +699,9 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
     print("\n" + text)
     os.makedirs(out_root, exist_ok=True)
-    with open(os.path.join(out_root, "summary.md"), "w") as f:
-        f.write(f"# {title}\n\n{text}\n")
-    with open(os.path.join(out_root, "summary.json"), "w") as f:
-        json.dump({"title": title, "setup": setup, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table},
-                  f, indent=1)
+    write_text(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n")
+    write_text(os.path.join(out_root, "summary.json"), json.dumps(
+        {"title": title, **recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table}, indent=1))
 
 
 def val_loss_at(out_dir: str, iteration: int) -> float | None:
@@ -582,23 +731,59 @@ def best_lr_runs(root: str, point: dict) -> dict[int, str]:
     return {r["seed"]: r["out_dir"] for r in summary["runs"] if all(str(r.get(k)) == str(v) for k, v in match.items())}
 
 
+LR_POINT_FIELDS = ("best_lr", "seed_losses", "val_loss_mean")
+RUN_FIELDS = ("seed", "val_loss", "diverged_at", "exit_code")
+
+
+def read_lr_summary(root: str) -> dict:
+    """root/summary.json of a --lr_grid sweep, checked for what the leaderboard and plot.py read from it."""
+    path = os.path.join(root, "summary.json")
+    if not os.path.exists(path):
+        raise SweepError(f"{root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
+    summary = read_json(path)
+    if not isinstance(summary, dict) or "lr_points" not in summary:
+        raise SweepError(f"{root} is a sweep without --lr_grid (its summary.json has no lr_points); "
+                         "pass the --out_root of a sweep.py --lr_grid run")
+    summary.setdefault("lr_key", "learning_rate")
+    keys, points, runs = summary.get("keys"), summary["lr_points"], summary.get("runs")
+    fields = ([*keys, *LR_POINT_FIELDS], [*keys, summary["lr_key"], *RUN_FIELDS]) if isinstance(keys, list) else ()
+    if not (fields and isinstance(points, list) and points and isinstance(runs, list)
+            and all(isinstance(p, dict) and all(f in p for f in fields[0]) and isinstance(p["seed_losses"], dict)
+                    for p in points)
+            and all(isinstance(r, dict) and all(f in r for f in fields[1]) for r in runs)):
+        raise SweepError(f"{path} is incomplete (no points, or a point or run without the fields a --lr_grid "
+                         "sweep writes); run the sweep's command again to rewrite it")
+    return summary
+
+
+def setup_difference(summary: dict, base: dict) -> str | None:
+    """How one sweep's recorded setup and fixed settings differ from the baseline sweep's, over what both
+    record and neither sweeps (grid keys, rates); None if they agree."""
+    swept = {*summary.get("swept", summary["keys"]), *base.get("swept", base["keys"])}
+    mine = {**summary.get("setup", {}), **summary.get("settings", {})}
+    theirs = {**base.get("setup", {}), **base.get("settings", {})}
+    differ = [f"{k} {mine[k]} here, {theirs[k]} in the baseline's" for k in mine
+              if k in theirs and k not in (*swept, "seeds", "data_dir") and mine[k] != theirs[k]]
+    return ", ".join(differ) or None
+
+
 def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lower") -> list[dict]:
     """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
     its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point (the
-    first root's, if several match). Points with the same settings in two roots are told apart by the root."""
+    first root's, if several match; `compared`, as in each sweep's own table). A point of a sweep whose
+    recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
+    differs. Points with the same settings in two roots are told apart by the root."""
     points = []
     for root in roots:
-        summary = read_json(os.path.join(root, "summary.json"))
-        if "lr_points" not in summary:
-            raise SweepError(f"{root} holds no summary.json of a --lr_grid sweep")
+        summary = read_lr_summary(root)
+        keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
-            keys = summary["keys"]
             runs = [r for r in summary["runs"] if all(str(r.get(k)) == str(point[k]) for k in keys)]
             label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
-            losses = {int(s): v for s, v in point["seed_losses"].items()}
-            lr_key = summary.get("lr_key", "learning_rate")
-            points.append({**point, "label": label, "root": root, "losses": losses, "lr_key": lr_key,
-                           "first_runs": first_seed_runs(runs, lr_key),
+            first = first_seed_runs(runs, lr_key)
+            points.append({**point, "label": label, "root": root, "summary": summary, "lr_key": lr_key,
+                           "seed_losses": {int(s): v for s, v in point["seed_losses"].items()}, "first_runs": first,
+                           "grid_shortfall": grid_shortfall(first, lr_key, point["best_lr"]),
                            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
     # the sensitivity depends on the grid: every arm's over the rates all of them ran
     shared = set.intersection(*({float(r[p["lr_key"]]) for r in p["first_runs"]} for p in points)) if points else set()
@@ -612,17 +797,13 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
     table = []
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
-        row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p["val_loss_mean_std"],
-               "diverged_lrs": p["diverged_lrs"], "edge_warning": point_warnings(p["edge_warning"], p["losses"]),
+        row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p.get("val_loss_mean_std"),
+               "diverged_lrs": p.get("diverged_lrs"), "edge_warning": p.get("edge_warning"),  # point_warnings' already
                "lr_sensitivity": lr_sensitivity(p["first_runs"], p["lr_key"], shared),
                "lr_sensitivity_rates": over, "run_minutes": p["run_minutes"]}
-        if base is not None and p is not base and p["losses"] and base["losses"]:
-            paired = sorted(p["losses"]) == sorted(base["losses"])
-            seeds = sorted(p["losses"])
-            v = verdict([p["losses"][s] for s in seeds],
-                        [base["losses"][s] for s in (seeds if paired else sorted(base["losses"]))], claim, paired)
-            row["verdict"] = v["verdict"] + (f" (p={v['p']:.3g})" if v["p"] is not None else "")
-            row["diff"] = v["diff"]
+        if base is not None and p is not base:
+            differ = setup_difference(p["summary"], base["summary"])
+            row.update({"verdict": f"no verdict: another setup ({differ})"} if differ else compared(p, base, claim))
         table.append(row)
     return table
 
@@ -672,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.config is None:
             raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")
-        grid = {k: v.split(",") for k, v in parse_assignments(args.grid, "--grid").items()}
+        grid = {k: distinct_values(v, f"--grid {k}") for k, v in parse_assignments(args.grid, "--grid").items()}
         baseline = parse_assignments(args.baseline, "--baseline")
         if any(k not in grid or v not in grid[k] for k, v in baseline.items()):
             raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
@@ -684,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError(f"--threads_per_run {args.threads_per_run}: give a number of threads of at least 1")
         if args.seeds and not all(s.isdigit() for s in args.seeds.split(",")):
             raise SweepError(f"--seeds {args.seeds!r}: give whole numbers separated by commas, e.g. 1,2,3")
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+        seeds = [int(s) for s in distinct_values(args.seeds, "--seeds")] if args.seeds else None
         out_root = args.out_root or os.path.join("out", "sweep_" + os.path.splitext(os.path.basename(args.config))[0])
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
         if args.lr_grid:
@@ -693,9 +874,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
             if not all(is_positive_number(v) for v in args.lr_grid.split(",")):
                 raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
-            table = run_lr_sweep(args.config, grid, args.lr_grid.split(","), lr_keys, seeds, fixed, out_root,
-                                 args.jobs, args.threads_per_run, args.rerun, baseline or None, args.claim,
-                                 args.dry_run, extra, args.lr_seeds)
+            lr_values = distinct_values(args.lr_grid, "--lr_grid")
+            table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
+                                 args.threads_per_run, args.rerun, baseline or None, args.claim, args.dry_run, extra,
+                                 args.lr_seeds)
             return int(any(row["crashed_lrs"] for row in table))
         rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
                          baseline or None, args.dry_run, extra)

@@ -1,0 +1,215 @@
+"""sweep.py's comparison rules (SPEC §9) and its guards on input and on files already written, on synthetic
+runs and summaries: no training."""
+
+import json
+import math
+import os
+
+import pytest
+from conftest import ROOT
+
+import plot
+import sweep
+
+CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
+ICL = os.path.join(ROOT, "configs", "icl_small_lipschitz_muon.py")
+RATES = ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2"]
+SETUP = {"n_layer": 2, "n_embd": 16, "block_size": 32, "task": "lm", "data": "shakespeare_char",
+         "dataset": "shakespeare_char", "batch_size": 4, "max_iters": 300, "optimizer": "adamw", "seeds": 3}
+
+
+def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre") -> list[dict]:
+    """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on seed 1,
+    2, ...]}} (None: diverged), picking each scheme's best rate on seed 1; returns the point table."""
+    rows = [{"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": x, "wall_s": 1.0,
+             "diverged_at": None if x is not None else 5, "exit_code": 0 if x is not None else 3}
+            for scheme, by_rate in losses.items() for lr, xs in by_rate.items() for seed, x in enumerate(xs, 1)]
+    rates = list(dict.fromkeys(lr for by_rate in losses.values() for lr in by_rate))
+    choice = [{"norm_scheme": scheme, **sweep.pick_best([r for r in rows if r["norm_scheme"] == scheme
+                                                         and r["seed"] == 1], "learning_rate", rates)}
+              for scheme in losses]
+    table = sweep.lr_table(rows, choice, ["norm_scheme"], "learning_rate", baseline and {"norm_scheme": baseline},
+                           "lower")
+    os.makedirs(root, exist_ok=True)
+    sweep.write_lr_summary(str(root), rows, table, ["norm_scheme"], "learning_rate", [], "synthetic",
+                           {"setup": setup, "settings": {}, "swept": ["norm_scheme", "learning_rate"]})
+    return table
+
+
+def curve(best: str, at_best: list[float], rates: list[str] = RATES) -> dict[str, list[float]]:
+    """Seed 1 at every rate (the loss rising away from `best`), seeds 2 and 3 at `best`."""
+    centre = rates.index(best)
+    return {lr: at_best if lr == best else [at_best[0] + 0.1 * abs(i - centre)] for i, lr in enumerate(rates)}
+
+
+def finished_run(out_dir, argv: list[str], max_iters: int = 4) -> None:
+    """A run folder as a finished sweep run leaves it: an evaluation at max_iters and its run.json."""
+    os.makedirs(out_dir)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"kind": "eval", "iter": max_iters, "train_loss": 2.0, "val_loss": 2.1}) + "\n")
+    with open(os.path.join(out_dir, "run.json"), "w") as f:
+        json.dump({"point": {"seed": 1}, "argv": argv, "exit_code": 0, "wall_s": 1.0}, f)
+
+
+def one_line_error(capsys, pattern: str) -> None:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and pattern in err, err
+
+
+# ----------------------------------------------------------------------------- the verdict rule's conditions
+
+
+def test_a_decisive_word_needs_three_seeds_in_each_arm():
+    two = sweep.verdict([1.0, 1.01], [2.0, 2.02])  # p < 0.05, but two seeds
+    assert two["verdict"] == "inconclusive at this scale" and two["n"] == (2, 2) and "3" in two["reason"]
+    assert two["p"] < 0.05  # the test's numbers stay in the result
+    one = sweep.verdict([math.inf], [1.0])  # the divergence clause from one seed per arm
+    assert one["verdict"] == "inconclusive at this scale" and one["diverged"] == (1, 0)
+    assert sweep.verdict([math.inf] * 3, [1.0, 1.1, 1.2])["verdict"] == "contradicted"  # three: decided
+
+
+def test_a_single_rate_grid_is_its_own_edge():
+    best = sweep.pick_best([{"learning_rate": "1e-3", "seed": 1, "val_loss": 2.0, "diverged_at": None,
+                             "exit_code": 0}], "learning_rate", ["1e-3"])
+    assert best["best_lr"] == "1e-3" and best["edge_warning"] is not None
+
+
+def test_lr_table_gives_a_decisive_word_only_from_five_rates_and_a_best_inside_them(tmp_path):
+    clear = {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("1e-3", [2.5, 2.52, 2.48])}
+    assert lr_sweep(tmp_path, clear)[1]["verdict"].startswith("contradicted")
+    edge = {**clear, "post": curve("1e-2", [2.5, 2.52, 2.48])}  # post's best is the highest rate
+    assert lr_sweep(tmp_path, edge)[1]["verdict"].startswith("inconclusive at this scale")
+    assert "edge" in lr_sweep(tmp_path, edge)[1]["verdict"]
+    short = {s: curve("1e-3", xs, RATES[1:4]) for s, xs in (("pre", [2.0, 2.02, 1.98]), ("post", [2.5, 2.52, 2.48]))}
+    word = lr_sweep(tmp_path, short)[1]["verdict"]
+    assert word.startswith("inconclusive at this scale") and "3 rates" in word
+
+
+def test_an_arm_that_trains_at_no_rate_says_so_in_the_verdict_column(tmp_path):
+    runs = {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "none": {lr: [None] for lr in RATES}}
+    table = lr_sweep(tmp_path, runs)
+    assert "trained at no rate" in table[1]["verdict"]
+    assert "trained at no rate" in sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"})[1]["verdict"]
+
+
+def test_plain_grid_with_a_baseline_says_it_gives_no_verdict(tmp_path, capsys):
+    tiny = {"max_iters": "4", "lr_decay_iters": "4"}
+    for scheme in ("pre", "post"):
+        argv = [CONFIG, *(f"--{k}={v}" for k, v in tiny.items()), f"--norm_scheme={scheme}", "--seed=1"]
+        finished_run(tmp_path / f"norm_scheme={scheme},seed=1", [*argv, f"--out_dir={tmp_path}/x"])
+    sweep.run_sweep(CONFIG, {"norm_scheme": ["pre", "post"]}, [1], tiny, str(tmp_path), baseline={"norm_scheme": "pre"})
+    out = capsys.readouterr().out
+    assert "no verdict" in out and "--lr_grid" in out
+    assert "no verdict" in (tmp_path / "summary.md").read_text()
+
+
+# ----------------------------------------------------------------------------- input and files already written
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grid", "n_layer=1,1"], "--grid n_layer: 1 and 1 are the same value"),
+    (["--seeds", "1,1,2"], "--seeds: 1 and 1 are the same value"),
+    (["--lr_grid", "1e-3,0.001"], "--lr_grid: 1e-3 and 0.001 are the same value"),
+    (["--grid", "n_layer=1", "--grid", "n_layer=2"], "--grid n_layer= is given twice"),
+])
+def test_a_value_given_twice_is_refused_before_anything_runs(tmp_path, capsys, flags, message):
+    assert sweep.main([CONFIG, *flags, "--out_root", str(tmp_path), "--dry_run"]) == 2
+    one_line_error(capsys, message)
+    with pytest.raises(sweep.SweepError, match="two runs would write"):  # the backstop, for any caller
+        sweep.plan_runs(CONFIG, {"n_layer": ["1", "1"]}, out_root=str(tmp_path))
+
+
+def test_a_finished_run_of_another_sweep_is_not_taken_as_this_ones(tmp_path):
+    run = tmp_path / "norm_scheme=pre,seed=1"
+    finished_run(run, [CONFIG, "--max_iters=4", "--n_embd=32", "--norm_scheme=pre", "--seed=1", f"--out_dir={run}"])
+    same = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4", "n_embd": "32"}, str(tmp_path))
+    assert same[0]["state"] == "finished"  # the same command: skipped, as a resumed sweep should
+    with pytest.raises(sweep.SweepError, match=r"norm_scheme=pre,seed=1 holds a run of another sweep .*n_embd=64"):
+        sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4", "n_embd": "64"}, str(tmp_path))
+    assert sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4", "n_embd": "64"}, str(tmp_path),
+                           rerun=True)[0]["state"] == "new"  # --rerun: the explicit way to replace it
+
+
+@pytest.mark.parametrize("content", ['{"runs": [', '{"lr_points": []}', "[1, 2]"])
+def test_a_cut_off_or_empty_summary_exits_2_naming_the_file(tmp_path, capsys, content):
+    (tmp_path / "summary.json").write_text(content)
+    assert sweep.main(["--leaderboard", str(tmp_path)]) == 2
+    one_line_error(capsys, "summary.json")
+    assert plot.main([str(tmp_path), "--lr_sweep", "--out", str(tmp_path / "lr.png")]) == 2
+    one_line_error(capsys, "summary.json")
+
+
+def test_a_cut_off_run_json_stops_the_sweep_with_one_line(tmp_path, capsys):
+    run = tmp_path / "seed=1"
+    finished_run(run, [CONFIG, "--max_iters=4", "--seed=1"])
+    (run / "run.json").write_text('{"argv": [')
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", str(tmp_path)]) == 2
+    one_line_error(capsys, "run.json")
+
+
+def test_a_junk_checkpoint_exits_2_naming_it(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 0, "val_loss": 3.0}) + "\n")
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "runs.png")]) == 2
+    one_line_error(capsys, "ckpt.pt")
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    sweep.write_text(str(path), '{"old": 1}')
+
+    def fail(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        sweep.write_text(str(path), '{"new": 2}')
+    assert json.loads(path.read_text()) == {"old": 1}
+
+
+# ----------------------------------------------------------------------------- the leaderboard and the figure
+
+
+def test_leaderboard_withholds_the_verdict_between_different_setups(tmp_path):
+    base = {"pre": curve("1e-3", [2.0, 2.02, 1.98])}
+    lr_sweep(tmp_path / "a", base)
+    lr_sweep(tmp_path / "b", {"post": curve("1e-3", [2.5, 2.52, 2.48])}, {**SETUP, "max_iters": 100}, None)
+    lr_sweep(tmp_path / "c", {"post": curve("1e-3", [2.5, 2.52, 2.48])}, {**SETUP, "seeds": 5}, None)
+    board = {row["label"]: row for row in sweep.leaderboard([str(tmp_path / r) for r in "abc"], {"norm_scheme": "pre"})}
+    other, same = board["norm_scheme=post (b)"], board["norm_scheme=post (c)"]
+    assert other["verdict"].startswith("no verdict") and "max_iters 100" in other["verdict"]
+    assert same["verdict"].startswith("contradicted")  # the seed count is not a setup
+
+
+def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
+    fragile = curve("1e-3", [2.5, None, 2.48])
+    lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": fragile})
+    [row] = [r for r in sweep.leaderboard([str(tmp_path)]) if r["label"] == "norm_scheme=post"]
+    assert row["edge_warning"].count("diverged or crashed at its best rate") == 1
+
+
+def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
+    lr_sweep(tmp_path / "a", {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, baseline=None)
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    for r in summary["runs"]:  # seeds 1, 2, 3 become 3, 1, 2: seed 3 ran every rate
+        r["seed"] = {1: 3, 2: 1, 3: 2}[r["seed"]]
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
+    lr_sweep(tmp_path / "b", {"post": curve("3e-3", [2.5, 2.52, 2.48])}, baseline=None)
+    for r in (b := json.loads((tmp_path / "b" / "summary.json").read_text()))["runs"]:
+        r["seed"] += 3  # seeds 4, 5, 6
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(b))
+    ax = plot.draw_lr_sensitivity([str(tmp_path / "a"), str(tmp_path / "b")]).axes[0]
+    drawn = [line for line in ax.get_lines() if line.get_linestyle() == "-" and line.get_label()[0] != "_"]
+    assert [len(line.get_xdata()) for line in drawn] == [5, 5]  # every rate of both sweeps
+
+
+def test_lr_figure_title_leaves_out_swept_keys_and_states_the_tasks_context(tmp_path):
+    lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, {**SETUP, "n_layer": 1}, baseline=None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["keys"], summary["setup"] = ["n_layer"], {**SETUP, "n_layer": 1}
+    for p in [*summary["runs"], *summary["lr_points"]]:
+        p["n_layer"] = 1
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    title = plot.draw_lr_sensitivity([str(tmp_path)])._suptitle.get_text()
+    assert "L1" not in title and "d16 T32" in title
+    assert sweep.run_setup([ICL], 3)["block_size"] == 32  # the task's 2 * icl_pairs, not GPTConfig's 1024
