@@ -18,7 +18,7 @@ import torch
 import prepare_data
 from model import GPT, GPTConfig
 from run_files import load_checkpoint
-from train_config import ConfigError
+from train_config import ConfigError, check_device
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +44,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--temperature={args.temperature} must be a number >= 0 (near 0: the likeliest token)")
     if args.top_k < 1:
         raise ConfigError(f"--top_k={args.top_k} must be at least 1")
+    if not 0 <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise ConfigError(f"--seed={args.seed} must lie in [0, 2**64)")
+    try:
+        check_device(args.device)
+    except ConfigError as e:  # its message names train.py's key
+        raise ConfigError(f"--{e}") from None
 
 
 def read_prompt(start: str) -> str:

@@ -230,26 +230,23 @@ class TextData:
     SPLITS = {"train": TRAIN_STREAM, "val": VAL_STREAM}
 
     def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
-        path = os.path.join(cfg.data_dir, cfg.dataset)
+        self.path = path = os.path.join(cfg.data_dir, cfg.dataset)
         if not os.path.exists(os.path.join(path, "meta.json")) and cfg.dataset in prepare_data.EMBEDDED_DATASETS:
-            if master:  # the embedded corpus is small and needs no network: make it now
-                print(f"preparing the embedded dataset {cfg.dataset} in {path} ...")
-                tokenizer = "char" if cfg.dataset.endswith("_char") else "gpt2"
-                with contextlib.suppress(FileExistsError):  # a run started alongside made it meanwhile
-                    prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=cfg.data_dir)
+            if master:
+                prepare_embedded(cfg.dataset, cfg.data_dir)
             if dist.is_initialized():
                 dist.barrier()
         try:
             self.meta = prepare_data.load_meta(path)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e)) from None
+        for split in self.SPLITS:  # load_meta checked that the files have these lengths; mmap refuses empty ones
+            if self.meta[f"{split}_tokens"] <= block_size + 1:
+                raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
+                                  f"({self.meta[f'{split}_tokens']} tokens); use a smaller --block_size")
         self.arrays = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=self.meta["dtype"], mode="r")
                        for s in self.SPLITS}
         self.block_size, self.batch_size, self.seed, self.device = block_size, cfg.batch_size, cfg.seed, device
-        for split, data in self.arrays.items():
-            if len(data) <= block_size + 1:
-                raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
-                                  f"({len(data)} tokens); use a smaller --block_size")
         check_token_ids(self.meta, self.arrays, path)
         self.to_compact = None
         if cfg.compact_vocab:  # model id k stands for dataset id token_ids[k]; one pass over the data
@@ -275,6 +272,20 @@ class TextData:
         else:
             xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
+
+
+def prepare_embedded(dataset: str, data_dir: str) -> None:
+    """The embedded corpus is small and needs no network: make it now."""
+    path = os.path.join(data_dir, dataset)
+    print(f"preparing the embedded dataset {dataset} in {path} ...")
+    tokenizer = "char" if dataset.endswith("_char") else "gpt2"
+    try:
+        prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=data_dir)
+    except FileExistsError:  # a run started alongside made it meanwhile
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot prepare {dataset} in {path} ({e.strerror or e}); give a writable --data_dir "
+                          "(the embedded dataset is prepared there on first use)") from None
 
 
 def check_token_ids(meta: dict, arrays: dict[str, np.ndarray], path: str) -> None:
@@ -795,7 +806,11 @@ def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteratio
 
 def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:
     tokenizer = prepare_data.tokenizer_from_meta(meta)
-    start = torch.tensor([tokenizer.encode("\n")], device=device)
+    try:
+        start = tokenizer.encode("\n")
+    except ValueError:  # a vocabulary without a newline: the end-of-text token, or else id 0
+        start = [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
+    start = torch.tensor([start], device=device)
     out = model.generate(start, n_tokens, temperature=0.8, top_k=200, generator=torch.Generator(device).manual_seed(0),
                          vocab_limit=tokenizer.vocab_size)
     print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40)

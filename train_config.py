@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib.util
+import math
 import os
 import sys
 import traceback
@@ -184,7 +186,14 @@ def check_value(name: str, value: object) -> object:
     if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
         names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed[:2])
         raise ConfigError(f"config key '{name}' expects {names}, got {value!r} ({type(value).__name__})")
-    return float(value) if float in allowed and isinstance(value, int) and not isinstance(value, bool) else value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{name}' expects a finite number, got {value}")
+    return value
 
 
 def read_config_file(path: str) -> dict:
@@ -215,8 +224,8 @@ def parse_overrides(args: list[str]) -> dict:
         key, text = arg[2:].split("=", 1)
         try:
             value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text  # a bare word is a string: --norm_scheme=geonorm
+        except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+            value = text  # a bare word is a string: --norm_scheme=geonorm; so is a value Python cannot build
         overrides[key] = value
     return overrides
 
@@ -252,16 +261,25 @@ def check_train_config(cfg: TrainConfig) -> None:
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not valid; choose one of: {', '.join(valid)}")
     for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                "icl_pairs", "icl_dim", "icl_eval_batches"):
+                "icl_pairs", "icl_dim", "icl_eval_batches", "ns_steps", "dual_steps", "msign_steps"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
-                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite"):
+                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite", "dual_lr"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
     if not cfg.learning_rate > 0:  # the schedule divides by it
         raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
-    if cfg.min_lr > cfg.learning_rate:
+    if cfg.matrix_lr is not None and not cfg.matrix_lr > 0:
+        raise ConfigError(f"matrix_lr={cfg.matrix_lr} must be positive, or None for the optimizer's default")
+    if not 0 <= cfg.seed < 2**64:  # torch.manual_seed's range
+        raise ConfigError(f"seed={cfg.seed} must lie in [0, 2**64)")
+    if cfg.keep_every % cfg.eval_interval:  # checkpoints are written at evaluations only
+        raise ConfigError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval}, "
+                          "where checkpoints are written")
+    if cfg.wandb_log and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb_log=True needs the wandb package: pip install wandb, or drop --wandb_log")
+    if cfg.decay_lr and cfg.min_lr > cfg.learning_rate:
         raise ConfigError(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}; the schedule decays "
                           "from learning_rate down to min_lr, so lower --min_lr")
     fractions = {"momentum": cfg.optimizer == "sgdw", "matrix_momentum": cfg.optimizer in MATRIX_OPTIMIZERS,
@@ -282,11 +300,14 @@ def check_device(device: str) -> None:
         kind = torch.device(device).type
     except RuntimeError:
         kind = None
-    if kind not in ("cpu", "cuda", "mps"):
+    if kind not in ("cpu", "cuda", "mps") or kind == "cpu" and torch.device(device).index:
         raise ConfigError(f"device={device!r} is not valid; choose auto, cpu, cuda, cuda:N or mps")
     mps = getattr(torch.backends, "mps", None)
     if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not (mps and mps.is_available()):
         raise ConfigError(f"device={device!r}, but this machine has no {kind} device; use --device=cpu or auto")
+    if kind == "cuda" and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device={device!r}, but this machine has {torch.cuda.device_count()} cuda device(s), "
+                          "numbered from 0; use --device=cuda or auto")
 
 
 def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:

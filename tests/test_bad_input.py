@@ -52,6 +52,19 @@ def config_file(tmp_path, text: str) -> str:
     (lambda tmp: ["--norm_eps=-1e-5"], r"norm_eps=-1e-05 must not be negative"),
     (lambda tmp: ["--dist_timeout=0"], r"dist_timeout=0\.0 must be a positive number of seconds"),
     (lambda tmp: ["--out_dir=''"], r"out_dir is empty; give the run a folder with --out_dir=PATH"),
+    (lambda tmp: [config_file(tmp, "grad_clip = float('nan')\n")], r"'grad_clip' expects a finite number, got nan"),
+    (lambda tmp: [config_file(tmp, "weight_decay = float('inf')\n")], r"'weight_decay' expects a finite number"),
+    (lambda tmp: ["--learning_rate=1e999"], r"'learning_rate' expects a finite number, got inf"),
+    (lambda tmp: [f"--dist_timeout={10**400}"], r"'dist_timeout' expects a finite number, got inf"),
+    (lambda tmp: ["--optimizer=muon", "--matrix_lr=0"], r"matrix_lr=0\.0 must be positive, or None"),
+    (lambda tmp: ["--optimizer=muon", "--ns_steps=0"], r"ns_steps=0 must be at least 1"),
+    (lambda tmp: ["--optimizer=manifold_muon", "--dual_steps=0"], r"dual_steps=0 must be at least 1"),
+    (lambda tmp: ["--optimizer=manifold_muon", "--msign_steps=0"], r"msign_steps=0 must be at least 1"),
+    (lambda tmp: ["--optimizer=manifold_muon", "--dual_lr=-0.1"], r"dual_lr=-0\.1 must not be negative"),
+    (lambda tmp: ["--seed=-1"], r"seed=-1 must lie in \[0, 2\*\*64\)"),
+    (lambda tmp: [f"--seed={2**64}"], r"seed=18446744073709551616 must lie in \[0, 2\*\*64\)"),
+    (lambda tmp: ["--device=cpu:1"], r"device='cpu:1' is not valid; choose auto, cpu, cuda, cuda:N or mps"),
+    (lambda tmp: ["--eval_interval=4", "--keep_every=3"], r"keep_every=3 must be a multiple of eval_interval=4"),
 ])
 def test_bad_config_exits_2_with_one_line(monkeypatch, capsys, tmp_path, args, message):
     code, err = exit_code_and_error(monkeypatch, capsys, args(tmp_path))
@@ -120,6 +133,27 @@ def test_token_data_outside_its_vocabulary_exits_2_with_the_rebuild_command(monk
     assert "Rebuild it with:\n  python prepare_data.py tiny --input PATH" in err and "--force" in err
 
 
+def test_an_embedded_dataset_that_cannot_be_prepared_exits_2(monkeypatch, capsys, tmp_path):
+    """A read-only --data_dir (simulated: root may write anywhere)."""
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(prepare_data, "prepare", read_only)
+    code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(str(tmp_path / "ro"), str(tmp_path / "run")))
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(r"cannot prepare shakespeare_char in .*ro/shakespeare_char \(Permission denied\); give a "
+                     r"writable --data_dir", err), err
+
+
+def test_the_final_sample_starts_without_a_newline_token(capsys):
+    """A char vocabulary without "\\n" (and no end-of-text token): the sample starts from id 0."""
+    meta = {"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"]}
+    model = train.GPT(train.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=3))
+    train.print_sample(model, meta, 5, "cpu")
+    text = capsys.readouterr().out.split("\n")[1]
+    assert len(text) == 6 and text[0] == "a" and set(text) <= set("abc")
+
+
 # ----------------------------------------------------------------------------- settings without effect
 
 
@@ -184,6 +218,10 @@ def trained_run(data_dir, tmp_path_factory):
     ("--temperature=nan", r"--temperature=nan must be a number >= 0"),
     ("--max_new_tokens=-1", r"--max_new_tokens=-1 must not be negative"),
     ("--num_samples=0", r"--num_samples=0 must be at least 1"),
+    ("--seed=-1", r"--seed=-1 must lie in \[0, 2\*\*64\)"),
+    ("--device=foo", r"--device='foo' is not valid; choose auto, cpu, cuda, cuda:N or mps"),
+    ("--device=cpu:1", r"--device='cpu:1' is not valid"),
+    ("--device=cuda:99", r"--device='cuda:99', but this machine has (no cuda device|\d+ cuda device)"),
 ])
 def test_bad_sampling_options_exit_2_with_one_line(capsys, trained_run, option, message):
     assert sample.main([f"--out_dir={trained_run}", "--max_new_tokens=2", "--device=cpu", option]) == 2
