@@ -2,8 +2,9 @@
 The files of a run in its out_dir, and the rules that keep them from lying:
 
     .lock             held (flock) by the one run writing this folder; the kernel releases it however the run ends
-    ckpt.pt           the last checkpoint, written atomically
+    ckpt.pt           the last checkpoint (always_save_checkpoint=False: the best evaluation's), written atomically
     ckpt.pt.sha256    its SHA-256 (`sha256sum -c ckpt.pt.sha256` checks it), verified on every load
+    ckpt_last.pt      always_save_checkpoint=False only: a stop signal's save, kept while it is newer than ckpt.pt
     ckpt_<iter>.pt    kept checkpoints (keep_every), each with its own .sha256
     metrics.jsonl     one strict JSON object per line; a non-finite number is written as null
 """
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import pickle
+import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -26,7 +28,7 @@ import torch
 from train_config import ConfigError
 
 CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
-LOCK_NAME, METRICS_NAME, CHECKPOINT_NAME = ".lock", "metrics.jsonl", "ckpt.pt"
+LOCK_NAME, METRICS_NAME, CHECKPOINT_NAME, LAST_CHECKPOINT_NAME = ".lock", "metrics.jsonl", "ckpt.pt", "ckpt_last.pt"
 RUN_FILE_PATTERNS = ("ckpt*.pt", "ckpt*.pt.sha256", "ckpt*.tmp", "metrics.jsonl*")  # what one run writes
 
 
@@ -45,6 +47,7 @@ class OutDirLock:
         self.path = os.path.join(out_dir, LOCK_NAME)
         try:
             os.makedirs(out_dir, exist_ok=True)
+            _probe_writable(out_dir)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise ConfigError(f"cannot write to out_dir {out_dir!r} ({e.strerror}); choose a writable --out_dir"
@@ -71,9 +74,17 @@ class OutDirLock:
         self.release()
 
 
+def _probe_writable(out_dir: str) -> None:
+    """Create and remove a file: a read-only out_dir can still hold an earlier run's writable .lock."""
+    fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".probe-")
+    os.close(fd)
+    os.remove(probe)
+
+
 def previous_run_files(out_dir: str) -> list[str]:
     """The checkpoints and metrics an earlier run left in out_dir (sorted names)."""
-    found = {os.path.basename(p) for pattern in RUN_FILE_PATTERNS for p in glob.glob(os.path.join(out_dir, pattern))}
+    folder = glob.escape(out_dir)  # an out_dir such as run[1] is a name, not a pattern
+    found = {os.path.basename(p) for pattern in RUN_FILE_PATTERNS for p in glob.glob(os.path.join(folder, pattern))}
     return sorted(found)
 
 
@@ -146,6 +157,9 @@ def recorded_checksums(path: str) -> list[str]:
             return [line.split()[0] for line in f if line.strip()]
     except FileNotFoundError:
         return []
+    except OSError as e:  # a folder, or unreadable
+        raise ConfigError(f"cannot read the checksum file {checksum_path(path)} ({e.strerror or e}); restore it, "
+                          "or start a new run with another --out_dir") from None
 
 
 def _write_checksums(path: str, digests: list[str]) -> None:
@@ -173,6 +187,30 @@ def save_checkpoint(path: str, state: dict) -> None:
     _write_checksums(path, [digest])
 
 
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint, then its checksum file (a kill between leaves only a stray .sha256)."""
+    for name in (path, checksum_path(path)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(name)
+
+
+def save_latest_checkpoint(out_dir: str, state: dict) -> None:
+    """Save ckpt.pt; a ckpt_last.pt, now older, goes after it (resume takes ckpt_last.pt while it exists)."""
+    save_checkpoint(os.path.join(out_dir, CHECKPOINT_NAME), state)
+    remove_checkpoint(os.path.join(out_dir, LAST_CHECKPOINT_NAME))
+
+
+def save_stop_checkpoint(out_dir: str, state: dict, keep_best: bool) -> str:
+    """Save a stopped run's last iteration; returns the path. With keep_best (always_save_checkpoint=False:
+    ckpt.pt holds the best evaluation) it goes to ckpt_last.pt, so the best is never replaced by it."""
+    if not keep_best:
+        save_latest_checkpoint(out_dir, state)
+        return os.path.join(out_dir, CHECKPOINT_NAME)
+    path = os.path.join(out_dir, LAST_CHECKPOINT_NAME)
+    save_checkpoint(path, state)
+    return path
+
+
 def _file_sha256(f) -> str:
     sha256 = hashlib.sha256()
     while chunk := f.read(1 << 24):
@@ -184,23 +222,36 @@ def load_checkpoint(path: str, device: str) -> dict:
     """A checkpoint whose bytes match its recorded SHA-256, then read with weights_only (no code runs)."""
     if not os.path.isfile(path):
         raise ConfigError(f"there is no checkpoint at {path}; train with init_from='scratch' first or fix --out_dir")
+    try:
+        digest, recorded, state = _verified_read(path, device)
+    except OSError as e:
+        raise ConfigError(f"cannot read checkpoint {path} ({e.strerror or e}); restore it, or start a new run "
+                          "with another --out_dir") from None
+    if state is not None:
+        return state
+    folder, name = os.path.split(path)
+    if not recorded:
+        what = "an empty checksum file" if os.path.exists(checksum_path(path)) else "no checksum file"
+        raise ConfigError(f"checkpoint {path} has {what} {checksum_path(path)}, so its integrity cannot "
+                          f"be verified. If you trust it, record its checksum with: cd {folder or '.'} && "
+                          f"sha256sum {name} > {name}.sha256")
+    raise ConfigError(f"checkpoint {path} does not match its checksum (SHA-256 {digest[:16]}..., recorded "
+                      f"{recorded[0][:16]}... in {checksum_path(path)}): it was changed or corrupted after it was "
+                      "written. Nothing was changed; restore it from a copy or start a new run with another --out_dir")
+
+
+def _verified_read(path: str, device: str) -> tuple[str, list[str], dict | None]:
+    """(the file's SHA-256, the recorded ones, the checkpoint if they match else None)."""
     for _ in range(3):  # a save that lands between reading the file and its checksum: read both again
         with open(path, "rb") as f:
             digest, inode = _file_sha256(f), os.fstat(f.fileno()).st_ino
             recorded = recorded_checksums(path)
             if digest in recorded:
                 f.seek(0)
-                return _read_checkpoint(path, f, device)
+                return digest, recorded, _read_checkpoint(path, f, device)
         if os.stat(path).st_ino == inode:
             break
-    folder, name = os.path.split(path)
-    if not recorded:
-        raise ConfigError(f"checkpoint {path} has no checksum file {checksum_path(path)}, so its integrity cannot "
-                          f"be verified. If you trust it, record its checksum with: cd {folder or '.'} && "
-                          f"sha256sum {name} > {name}.sha256")
-    raise ConfigError(f"checkpoint {path} does not match its checksum (SHA-256 {digest[:16]}..., recorded "
-                      f"{recorded[0][:16]}... in {checksum_path(path)}): it was changed or corrupted after it was "
-                      "written. Nothing was changed; restore it from a copy or start a new run with another --out_dir")
+    return digest, recorded, None
 
 
 def _read_checkpoint(path: str, f, device: str) -> dict:
@@ -243,20 +294,28 @@ class MetricsLog:
         if resume_iter is None:
             os.remove(self.path)
             return
-        with open(self.path) as f:
-            kept = [line for line in f if self._before_resume(line, resume_iter)]
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
+        try:
+            with open(self.path, "rb") as f:
+                kept = [line for line in f if self._before_resume(line, resume_iter)]
+            with open(self.path + ".tmp", "wb") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+        except OSError as e:  # a folder, or unreadable
+            raise ConfigError(f"cannot rewrite {self.path} for the resumed run ({e.strerror or e}); move it "
+                              "aside or fix its permissions") from None
 
     @staticmethod
-    def _before_resume(line: str, resume_iter: int) -> bool:
+    def _before_resume(line: bytes, resume_iter: int) -> bool:
+        """Keep the lines before the resumed iteration; a line that is not a JSON object with an integer iter
+        (cut short by a kill mid-write, or corrupted) goes too."""
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            return False  # cut short by a kill mid-write
+        except ValueError:  # not JSON, or not UTF-8
+            return False
+        it = record.get("iter", 0) if isinstance(record, dict) else None
+        if not isinstance(it, int) or isinstance(it, bool):
+            return False
         # the resumed run re-logs the evaluation at resume_iter and everything after it
-        it = record.get("iter", 0)
         return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
 
     def write(self, **record) -> None:

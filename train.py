@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import numpy as np
@@ -67,12 +67,16 @@ from model import GPT, GPTConfig, block_activation_rms, forward_with_hooks, max_
 from run_files import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_NAME,
+    LAST_CHECKPOINT_NAME,
+    METRICS_NAME,
     MetricsLog,
     OutDirLock,
     load_checkpoint,
     previous_run_files,
     remove_previous_run,
     save_checkpoint,
+    save_latest_checkpoint,
+    save_stop_checkpoint,
 )
 from train_config import MODEL_KEYS, TRAIN_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
 
@@ -608,6 +612,7 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
 
 def train(argv: list[str]) -> int:
     cfg, model_args = load_config(argv)
+    checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
     reuse_freed_memory()
     ddp, device = setup_distributed(cfg)
     stop = StopSignals()
@@ -621,34 +626,73 @@ def train(argv: list[str]) -> int:
         raise lost from None
 
 
+def checkpoint_to_load(cfg: TrainConfig) -> str | None:
+    """The checkpoint a resumed or eval-only run starts from (the stop save when it is the newer, see
+    save_stop_checkpoint); None for a new run. Checked before out_dir is claimed, so a mistyped out_dir
+    is not created."""
+    if cfg.init_from != "resume" and not cfg.eval_only:
+        return None
+    last = os.path.join(cfg.out_dir, LAST_CHECKPOINT_NAME)
+    if cfg.init_from == "resume" and not cfg.eval_only and os.path.isfile(last):
+        return last
+    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
+    if not os.path.exists(ckpt_path):
+        needs = "eval_only evaluates out_dir's checkpoint" if cfg.eval_only else "init_from='resume'"
+        raise ConfigError(f"{needs}, but there is no checkpoint at {ckpt_path}; train one first "
+                          "(init_from='scratch') or fix --out_dir")
+    return ckpt_path
+
+
 def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     """The checkpoint a resumed or eval-only run starts from; None for a new run, which may replace an earlier
-    run's files only with --overwrite=True."""
-    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
-    if cfg.init_from == "resume" or cfg.eval_only:
-        if not os.path.exists(ckpt_path):
-            needs = "eval_only evaluates out_dir's checkpoint" if cfg.eval_only else "init_from='resume'"
-            raise ConfigError(f"{needs}, but there is no checkpoint at {ckpt_path}; train one first "
-                              "(init_from='scratch') or fix --out_dir")
-        return load_checkpoint(ckpt_path, device)
-    checkpoints = [name for name in previous_run_files(cfg.out_dir) if name.endswith(".pt")]
-    if checkpoints and not cfg.overwrite:
-        raise ConfigError(f"a run's checkpoint already exists in {cfg.out_dir} ({', '.join(checkpoints)}); continue "
+    run's files (checkpoints, or only a metrics.jsonl) only with --overwrite=True."""
+    path = checkpoint_to_load(cfg)
+    if path is not None:
+        return load_checkpoint(path, device)
+    earlier = [name for name in previous_run_files(cfg.out_dir) if name.endswith(".pt") or name == METRICS_NAME]
+    if earlier and not cfg.overwrite:
+        raise ConfigError(f"an earlier run already exists in {cfg.out_dir} ({', '.join(earlier)}); continue "
                           "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
                           "its checkpoints and metrics and start anew")
     return None
 
 
+def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None) -> tuple[TrainConfig, dict]:
+    """The config and model keys the task is built from: a resumed or eval-only run keeps the checkpoint's
+    compact_vocab, and its block_size and other model keys unless it sets them (a clash stops in
+    resume_model_args)."""
+    if checkpoint is None:
+        return cfg, model_args
+    compact = checkpoint["config"].get("compact_vocab", False)
+    if cfg.compact_vocab and not compact:
+        raise ConfigError("cannot resume: the checkpoint was trained without compact_vocab, so its model has "
+                          "the full vocabulary; drop --compact_vocab or start a new run with another --out_dir")
+    return replace(cfg, compact_vocab=compact), {**checkpoint["model_args"], **model_args}
+
+
+def check_same_tokens(checkpoint: dict, task) -> None:
+    """A resumed or evaluated model reads token ids as its training data defined them: another dataset is
+    fine only if the same ids mean the same tokens (same tokenizer, characters and compact ids)."""
+    saved = checkpoint.get("data_meta")
+    if saved is None or not hasattr(task, "data"):
+        return
+    keys = ("tokenizer", "vocab_size", "chars", "token_ids")
+    differ = [k for k in keys if saved.get(k) != task.data.meta.get(k)]
+    if differ:
+        raise ConfigError(f"{task.data.path} does not encode text as the checkpoint's training data did ("
+                          f"{', '.join(differ)} differ), so the model would read the wrong tokens; use the dataset "
+                          f"it was trained on (--dataset={checkpoint['config']['dataset']}) or start a new run "
+                          "with another --out_dir")
+
+
 def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSignals) -> int:
     accum = accumulation_per_rank(cfg, ddp.world_size)
-    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     checkpoint = starting_point(cfg, device)
-    task = make_task(cfg, model_args, device, ddp.master)
+    cfg, task_args = resumed_settings(cfg, model_args, checkpoint)
+    task = make_task(cfg, task_args, device, ddp.master)
+    if checkpoint is not None:
+        check_same_tokens(checkpoint, task)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
-    if ddp.master and checkpoint is None:  # everything is ready: the earlier run's files go now, not before
-        removed = remove_previous_run(cfg.out_dir)
-        if removed:
-            print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
     raw_model = model
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
@@ -669,6 +713,10 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         import wandb
 
         wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+    if ddp.master and checkpoint is None:  # everything is ready: the earlier run's files go now, not before
+        removed = remove_previous_run(cfg.out_dir)
+        if removed:
+            print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
     log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
@@ -719,11 +767,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                                                        if isinstance(v, float)))
                 improved = metrics["val_loss"] < best_val
                 best_val = min(best_val, metrics["val_loss"])
-                if iter_num > start_iter and not cfg.eval_only and finite and (cfg.always_save_checkpoint or improved):
-                    state = checkpoint_state()
-                    save_checkpoint(ckpt_path, state)
-                    if cfg.keep_every and iter_num % cfg.keep_every == 0:
-                        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iter_num}.pt"), state)
+                if iter_num > start_iter and not cfg.eval_only and finite:
+                    save_evaluated(cfg, iter_num, checkpoint_state, cfg.always_save_checkpoint or improved)
                 log.write(kind="eval", iter=iter_num, **metrics)  # after the save: a logged eval has its checkpoint
             t_last = time.perf_counter()  # evaluation time is not training time
         if iter_num >= cfg.max_iters or cfg.eval_only:
@@ -780,21 +825,32 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                           **({"skipped": skipped} if cfg.skip_nonfinite else {}))
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
             keep = eval_finite and not nonfinite_state(raw_model, optimizer)
-            return stop_with_checkpoint(log, ddp, stop, iter_num, checkpoint_state() if keep else None, ckpt_path)
+            return stop_with_checkpoint(log, ddp, stop, iter_num, checkpoint_state() if keep else None, cfg)
 
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)
     return 0
 
 
+def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state, latest: bool) -> None:
+    """After a finite evaluation: ckpt_<iter>.pt every keep_every iterations (first, so that a kill between
+    the two saves loses neither), and ckpt.pt if `latest` (always_save_checkpoint, or a better val loss)."""
+    keep = cfg.keep_every and iteration % cfg.keep_every == 0
+    state = checkpoint_state() if keep or latest else None
+    if keep:
+        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iteration}.pt"), state)
+    if latest:
+        save_latest_checkpoint(cfg.out_dir, state)
+
+
 def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
-                         ckpt_path: str) -> int:
+                         cfg: TrainConfig) -> int:
     """Save the last completed iteration (state; None when it is not finite) and log the stop. Every rank
     calls this at the same iteration; rank 0 writes."""
     if ddp.master:
         if state is not None:
-            save_checkpoint(ckpt_path, state)
-        saved = (f"saved iter {iteration} to {ckpt_path}" if state is not None else
+            path = save_stop_checkpoint(cfg.out_dir, state, keep_best=not cfg.always_save_checkpoint)
+        saved = (f"saved iter {iteration} to {path}" if state is not None else
                  "its state is not finite, so the last checkpoint is kept")
         print(f"{stop.received or 'a stop signal on another rank'}: stopped after iter {iteration}; {saved}. "
               "Continue with --init_from=resume", file=sys.stderr)

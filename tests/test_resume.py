@@ -219,9 +219,24 @@ def test_failed_save_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
     assert train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
 
 
-def test_keep_every_keeps_numbered_checkpoints(data_dir, tmp_path):
+def test_keep_every_keeps_numbered_checkpoints(data_dir, tmp_path, monkeypatch):
+    """ckpt_8.pt is written before ckpt.pt: a kill between the two saves keeps it, and resume completes the run."""
     out = str(tmp_path / "run")
-    assert train.train(tiny_run_args(data_dir, out, max_iters=12, eval_interval=4, keep_every=8)) == 0
+    replace, renames = os.replace, []
+
+    def killed_at_the_second_ckpt_pt(src, dst):
+        renames.append(dst)
+        if renames.count(os.path.join(out, "ckpt.pt")) == 2:
+            raise KeyboardInterrupt  # stands in for SIGKILL: nothing after this point runs
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_second_ckpt_pt)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_run_args(data_dir, out, max_iters=12, eval_interval=4, keep_every=8))
+    monkeypatch.undo()
+    assert load(out, "ckpt_8.pt")["iter_num"] == 8 and load(out)["iter_num"] == 4
+    assert train.train(tiny_run_args(data_dir, out, max_iters=12, eval_interval=4, keep_every=8,
+                                     init_from="resume")) == 0
     assert sorted(f for f in os.listdir(out) if f.endswith(".pt")) == ["ckpt.pt", "ckpt_8.pt"]
     assert load(out, "ckpt_8.pt")["iter_num"] == 8 and load(out)["iter_num"] == 12
 
@@ -414,23 +429,27 @@ def signal_during(iteration: int, *signums: int):
     return send
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum, always_save", [(signal.SIGTERM, True), (signal.SIGINT, False)])
 def test_a_stop_signal_saves_the_last_completed_iteration_and_resumes_exactly(data_dir, tmp_path, monkeypatch,
-                                                                              straight_run, signum):
+                                                                              straight_run, signum, always_save):
     """The signal comes during iteration 5; the run completes it, saves iter 6 (not only the eval at 4),
-    exits 4, and the resumed run is bitwise the uninterrupted one."""
+    exits 4, and the resumed run is bitwise the uninterrupted one. With always_save_checkpoint=False ckpt.pt
+    is the best eval's (iter 4) and stays so: iter 6 goes to ckpt_last.pt, which resume starts from."""
     out = str(tmp_path / "run")
+    settings = {**STOP_SETTINGS, "always_save_checkpoint": always_save}
     monkeypatch.setattr(train, "forward_backward", signal_during(5, signum))
-    assert train.train(tiny_run_args(data_dir, out, **STOP_SETTINGS)) == train.EXIT_STOPPED == 4
+    assert train.train(tiny_run_args(data_dir, out, **settings)) == train.EXIT_STOPPED == 4
     monkeypatch.undo()
     assert read_metrics(out)[-1] == {"kind": "status", "status": "stopped", "iter": 6,
                                      "signal": signal.Signals(signum).name, "saved": True}
-    assert load(out)["iter_num"] == 6
-    assert train.train(tiny_run_args(data_dir, out, **STOP_SETTINGS, init_from="resume")) == 0
+    assert load(out)["iter_num"] == (6 if always_save else 4)
+    assert always_save or load(out, "ckpt_last.pt")["iter_num"] == 6
+    assert train.train(tiny_run_args(data_dir, out, **settings, init_from="resume")) == 0
     assert losses(out) == losses(straight_run)
-    a, b = load(straight_run), load(out)
-    for key in ("model", "optimizer"):
-        assert_same_tensors(a[key], b[key])
+    if always_save:  # else ckpt.pt is the best eval's, which need not be the last
+        a, b = load(straight_run), load(out)
+        for key in ("model", "optimizer"):
+            assert_same_tensors(a[key], b[key])
 
 
 def test_a_second_sigint_stops_at_once(data_dir, tmp_path, monkeypatch, capsys):

@@ -2,12 +2,15 @@
 the new one starts, every checkpoint is verified against its SHA-256, eval_only leaves the history alone,
 and metrics.jsonl is strict JSON with no checkpoint ever written from a state that cannot be evaluated."""
 
+import errno
 import fcntl
 import hashlib
+import importlib.machinery
 import json
 import os
 import shutil
 import sys
+import types
 
 import pytest
 import torch
@@ -71,7 +74,65 @@ def test_a_second_run_into_a_busy_out_dir_exits_2_naming_the_holder(monkeypatch,
     assert sorted(os.listdir(out)) == [".lock"]  # nothing written
 
 
+def test_a_read_only_out_dir_with_a_writable_old_lock_exits_2(finished_run, monkeypatch):
+    """Stands in for chmod a-w out_dir (which root ignores): the earlier run's .lock opens, nothing new is created."""
+    open_file = os.open
+
+    def read_only(path, flags, *args):
+        if os.path.dirname(path) == str(finished_run) and os.path.basename(path) != ".lock" and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return open_file(path, flags, *args)
+
+    before = snapshot(finished_run)
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(train.ConfigError, match=r"cannot write to out_dir .* \(Permission denied\); choose a "
+                                                "writable --out_dir"):
+        run_files.OutDirLock(str(finished_run))
+    monkeypatch.undo()
+    assert snapshot(finished_run) == before
+
+
 # ----------------------------------------------------------------------------- overwrite
+
+
+@pytest.mark.parametrize("name, decoy", [("run[1]", "run1"), ("a*", "ab"), ("b?", "bc")])
+def test_an_out_dir_with_glob_characters_is_a_name_not_a_pattern(tmp_path, name, decoy):
+    for folder, files in ((name, ("ckpt.pt", "metrics.jsonl")), (decoy, ("ckpt_4.pt",))):
+        (tmp_path / folder).mkdir()
+        for file in files:
+            (tmp_path / folder / file).write_text("x")
+    out = str(tmp_path / name)
+    assert run_files.previous_run_files(out) == ["ckpt.pt", "metrics.jsonl"]
+    cfg, _ = train.load_config([f"--out_dir={out}"])
+    with pytest.raises(train.ConfigError, match=r"an earlier run already exists .*\(ckpt.pt, metrics.jsonl\)"):
+        train.starting_point(cfg, "cpu")
+    assert run_files.remove_previous_run(out) == ["ckpt.pt", "metrics.jsonl"]
+    assert os.listdir(out) == [] and os.listdir(tmp_path / decoy) == ["ckpt_4.pt"]
+
+
+def test_metrics_of_a_run_without_checkpoint_need_overwrite(tmp_path):
+    """A run that diverged before its first save leaves only metrics.jsonl: still a run, not to be deleted silently."""
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "status", "status": "diverged", "iter": 2}\n')
+    cfg, _ = train.load_config([f"--out_dir={tmp_path}"])
+    with pytest.raises(train.ConfigError, match=r"an earlier run already exists in .* \(metrics.jsonl\); continue it "
+                                                r"with --init_from=resume, choose another --out_dir, or pass"):
+        train.starting_point(cfg, "cpu")
+    cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--overwrite=True"])
+    assert train.starting_point(cfg, "cpu") is None
+
+
+def test_wandb_is_checked_and_started_before_overwrite_deletes_anything(data_dir, finished_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(train.ConfigError, match=r"wandb_log=True needs the wandb package: pip install wandb"):
+        train.load_config(["--wandb_log=True"])
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    wandb.init = lambda **kwargs: (_ for _ in ()).throw(RuntimeError("wandb: network unreachable"))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    before = snapshot(finished_run)
+    with pytest.raises(RuntimeError, match="network unreachable"):
+        train.train(tiny_run_args(data_dir, str(finished_run), max_iters=2, overwrite=True, wandb_log=True))
+    assert snapshot(finished_run) == before
 
 
 def test_overwrite_removes_the_earlier_run_before_the_new_one_starts(data_dir, finished_run, monkeypatch):
@@ -123,6 +184,37 @@ def test_a_checkpoint_without_checksum_is_refused_with_the_command_that_records_
         train.train(tiny_run_args(data_dir, str(finished_run), max_iters=8, init_from="resume"))
 
 
+def saved_checkpoint(tmp_path) -> str:
+    path = str(tmp_path / "ckpt.pt")
+    run_files.save_checkpoint(path, {"format": run_files.CHECKPOINT_FORMAT, "iter_num": 4})
+    return path
+
+
+def test_an_empty_or_unreadable_checksum_file_is_refused_naming_it(tmp_path):
+    path = saved_checkpoint(tmp_path)
+    with open(f"{path}.sha256", "w"):
+        pass
+    with pytest.raises(train.ConfigError, match=r"has an empty checksum file .*ckpt.pt.sha256, so its integrity"):
+        run_files.load_checkpoint(path, "cpu")
+    os.remove(f"{path}.sha256")
+    os.mkdir(f"{path}.sha256")
+    with pytest.raises(train.ConfigError, match=r"cannot read the checksum file .*ckpt.pt.sha256 \(Is a directory\)"):
+        run_files.load_checkpoint(path, "cpu")
+
+
+def test_resume_drops_metrics_lines_that_are_not_records_of_an_iteration(tmp_path):
+    """The policy for a line cut short by a kill, for any line that is not a JSON object with an integer iter."""
+    kept = [b'{"kind": "train", "iter": 3, "loss": 2.0}\n', b'{"kind": "train", "iter": 4, "loss": 1.9}\n']
+    bad = [b'\xff\xfe{"iter": 1}\n', b"[1, 2]\n", b'{"kind": "train", "iter": "5"}\n', b'{"iter": true}\n']
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join([kept[0], *bad, kept[1], b'{"kind": "eval", "iter": 4}\n']))
+    run_files.MetricsLog(str(tmp_path), True, resume_iter=4)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b"".join(kept)
+    os.remove(tmp_path / "metrics.jsonl")
+    os.mkdir(tmp_path / "metrics.jsonl")
+    with pytest.raises(train.ConfigError, match=r"cannot rewrite .*metrics.jsonl for the resumed run \(Is a dir"):
+        run_files.MetricsLog(str(tmp_path), True, resume_iter=4)
+
+
 @pytest.mark.parametrize("kill_at", ["rename", "final checksum"])
 def test_a_kill_between_checkpoint_and_checksum_leaves_a_verifiable_pair(tmp_path, monkeypatch, kill_at):
     """The new digest is listed before the rename and the old one dropped after it: a kill at either step
@@ -170,9 +262,10 @@ def test_eval_only_evaluates_the_checkpoint_and_leaves_the_history_alone(monkeyp
     assert snapshot(finished_run) == before
 
 
-def test_eval_only_without_a_checkpoint_exits_2(monkeypatch, capsys, data_dir, tmp_path):
+def test_eval_only_without_a_checkpoint_exits_2_and_creates_nothing(monkeypatch, capsys, data_dir, tmp_path):
     code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), eval_only=True))
     assert code == 2 and "eval_only evaluates out_dir's checkpoint, but there is no checkpoint at" in err
+    assert not os.path.exists(tmp_path / "run")  # a mistyped out_dir is not created
 
 
 # ----------------------------------------------------------------------------- skip_nonfinite

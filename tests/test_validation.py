@@ -1,6 +1,7 @@
 """Bad config values stop a run before it trains, with a message naming the key, the valid choices
 and the fix; train.py then exits with code 2."""
 
+import json
 import os
 import sys
 
@@ -9,6 +10,7 @@ from conftest import tiny_run_args
 
 import prepare_data
 import train
+import train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,10 +50,29 @@ def test_accumulation_must_split_evenly_among_ranks():
     assert train.accumulation_per_rank(cfg, 3) == 1 and train.accumulation_per_rank(cfg, 1) == 3
 
 
-def test_block_size_larger_than_the_data_is_refused(tmp_path):
+def char_dataset(data_dir, name: str, chars: str, force: bool = False) -> None:
+    """data_dir/name: a char dataset over `chars` (letters, a space and a newline), long enough for block_size 32."""
+    tokenizer = prepare_data.get_tokenizer("char", sorted(chars + " \n"))
+    text = chars + " "
+    prepare_data.write_dataset(data_dir / name, {"train": [text * 20], "val": [text[::-1] * 8]}, tokenizer, "test",
+                               force=force)
+
+
+def empty_val_split(path) -> None:
+    """What meta.json says for a val split of no tokens (write_dataset itself refuses one)."""
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "val_tokens": 0}))
+    (path / "val.bin").write_bytes(b"")
+
+
+@pytest.mark.parametrize("val, tokens", [("hgfedcba", 10), ("", 0)])
+def test_block_size_larger_than_the_data_is_refused(tmp_path, val, tokens):
     tokenizer = prepare_data.get_tokenizer("char", sorted("abcdefgh \n"))
-    prepare_data.write_dataset(tmp_path / "tiny", {"train": ["abcdefgh " * 20], "val": ["hgfedcba"]}, tokenizer, "test")
-    with pytest.raises(train.ConfigError, match=r"block_size=32 is too large for .*val.bin \(10 tokens\); "
+    prepare_data.write_dataset(tmp_path / "tiny", {"train": ["abcdefgh " * 20], "val": [val or "a"]}, tokenizer,
+                               "test")
+    if not val:
+        empty_val_split(tmp_path / "tiny")
+    with pytest.raises(train.ConfigError, match=rf"block_size=32 is too large for .*val.bin \({tokens} tokens\); "
                                                 r"use a smaller --block_size"):
         train.train(tiny_run_args(str(tmp_path), str(tmp_path / "run"), dataset="tiny"))
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
@@ -84,3 +105,50 @@ def test_config_error_exits_with_code_2(monkeypatch, capsys):
         train.main()
     assert exit_info.value.code == train.EXIT_CONFIG == 2
     assert capsys.readouterr().err == "error: n_embd=30 must be divisible by n_head=4\n"
+
+
+def without(args: list[str], *keys: str) -> list[str]:
+    return [a for a in args if not a.startswith(tuple(f"--{k}=" for k in keys))]
+
+
+def test_resume_and_eval_only_keep_the_checkpoints_block_size_and_compact_vocab(data_dir, tmp_path):
+    """Neither repeats --block_size (default 1024) nor --compact_vocab: both are the checkpoint's, so the
+    eval and the resumed run see its windows and vocabulary and the resume is exact."""
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=2, eval_interval=2, compact_vocab=True)) == 0
+    assert train.train(without(tiny_run_args(data_dir, out, eval_only=True), "block_size")) == 0
+    assert train.train(without(tiny_run_args(data_dir, out, max_iters=4, eval_interval=2, init_from="resume"),
+                               "block_size")) == 0
+    saved = train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
+    assert saved["iter_num"] == 4 and saved["model_args"]["block_size"] == 32 and saved["config"]["compact_vocab"]
+    with pytest.raises(train.ConfigError, match=r"checkpoint's model has block_size=32 \(this run: 64\)"):
+        train.train(tiny_run_args(data_dir, out, max_iters=6, init_from="resume", block_size=64))
+
+
+def test_resume_refuses_a_dataset_whose_token_ids_mean_other_characters(tmp_path):
+    """Two char datasets of 10 symbols each: the same vocab_size, other characters. Resume and eval_only
+    refuse the other one and change nothing; the same dataset prepared again is fine."""
+    char_dataset(tmp_path, "first", "abcdefgh")
+    char_dataset(tmp_path, "other", "ijklmnop")
+    out = tmp_path / "run"
+    assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=2, eval_interval=2)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+        with pytest.raises(train.ConfigError, match=r"other does not encode text as the checkpoint's training data "
+                                                    r"did \(chars differ\).*\(--dataset=first\)"):
+            train.train(tiny_run_args(str(tmp_path), str(out), dataset="other", eval_interval=2, **change))
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    char_dataset(tmp_path, "first", "abcdefgh", force=True)
+    assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=4, eval_interval=2,
+                                     init_from="resume")) == 0
+
+
+def test_min_lr_above_learning_rate_is_fine_without_decay():
+    """Without decay_lr the schedule never reaches min_lr (the setting only prints its no-effect warning)."""
+    cfg, _ = train.load_config(["--decay_lr=False", "--learning_rate=1e-3", "--min_lr=1e-2"])
+    assert cfg.min_lr == 1e-2 and train.lr_multiplier(cfg, 10) == 1.0
+
+
+@pytest.mark.parametrize("text", ["{[1]: 2}", "+" * 5000 + "1"], ids=["unhashable key", "too deep to parse"])
+def test_a_value_python_cannot_build_is_read_as_a_string(text):
+    assert train_config.parse_overrides([f"--out_dir={text}"]) == {"out_dir": text}
