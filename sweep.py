@@ -61,7 +61,7 @@ from dataclasses import asdict
 import train
 from model import GPTConfig
 from plot import IGNORED_FLAGS, diverged_at, load_metrics
-from run_files import write_atomically
+from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, previous_run_files, write_atomically
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
@@ -141,7 +141,8 @@ def run_state(out_dir: str, max_iters: int) -> str:
     records = load_metrics(out_dir)
     if diverged_at(records) is not None or any(r.get("kind") == "eval" and r["iter"] >= max_iters for r in records):
         return "finished"
-    return "resume" if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else "new"
+    saved = (os.path.exists(os.path.join(out_dir, name)) for name in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME))
+    return "resume" if any(saved) else "new"
 
 
 def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None = None,
@@ -174,7 +175,7 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
             check_same_run(out_dir, argv)
         if state == "resume":
             argv.append("--init_from=resume")
-        elif os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
             argv.append("--overwrite=True")
         jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state})
     return jobs

@@ -130,6 +130,19 @@ def test_a_finished_run_of_another_sweep_is_not_taken_as_this_ones(tmp_path):
                            rerun=True)[0]["state"] == "new"  # --rerun: the explicit way to replace it
 
 
+def test_an_attempt_cut_off_before_its_first_checkpoint_starts_anew_and_a_stop_save_resumes(tmp_path):
+    """train.py refuses to start over an earlier run's metrics.jsonl without --overwrite, and resumes from
+    ckpt_last.pt (a stop signal's save) when there is no ckpt.pt: the sweep plans both accordingly."""
+    run = tmp_path / "norm_scheme=pre,seed=1"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "iter": 0, "loss": 4.0}\n')
+    [job] = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
+    assert job["state"] == "new" and "--overwrite=True" in job["argv"]
+    (run / "ckpt_last.pt").write_bytes(b"")
+    [job] = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
+    assert job["state"] == "resume" and "--init_from=resume" in job["argv"]
+
+
 @pytest.mark.parametrize("content", ['{"runs": [', '{"lr_points": []}', "[1, 2]"])
 def test_a_cut_off_or_empty_summary_exits_2_naming_the_file(tmp_path, capsys, content):
     (tmp_path / "summary.json").write_text(content)
