@@ -58,7 +58,8 @@ def assert_same_tensors(a, b) -> None:
 # ----------------------------------------------------------------------------- exact resume in-process
 
 
-@pytest.mark.parametrize("optimizer, extra", [(name, {}) for name in optim.OPTIMIZERS]
+# plain float32 AdamW is left out: test_killed_run_resumes_exactly's AdamW cases check it (dropout 0.1, bitwise)
+@pytest.mark.parametrize("optimizer, extra", [(name, {}) for name in optim.OPTIMIZERS if name != "adamw"]
                          + [("adamw", {"dtype": "float16", "max_iters": 6})])
 def test_resume_is_bitwise_for_every_optimizer(data_dir, tmp_path, optimizer, extra):
     """4 + 4 iterations (3 + 3 in float16, slow on a CPU) equal 8 straight; dropout 0.1 checks the RNG
