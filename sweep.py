@@ -869,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in distinct_values(args.seeds, "--seeds")] if args.seeds else None
         out_root = args.out_root or os.path.join("out", "sweep_" + os.path.splitext(os.path.basename(args.config))[0])
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
+        if both := {k for key in grid for k in key.split("+")} & {k for key in fixed for k in key.split("+")}:
+            raise SweepError(f"{', '.join(sorted(both))} given by both --grid and --set; give each key once")
         if args.lr_grid:
             lr_keys = args.lr_keys.split("+")
             if set(lr_keys) & {k for key in grid for k in key.split("+")}:

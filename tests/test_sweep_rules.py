@@ -111,6 +111,7 @@ def test_plain_grid_with_a_baseline_says_it_gives_no_verdict(tmp_path, capsys):
     (["--seeds", "1,1,2"], "--seeds: 1 and 1 are the same value"),
     (["--lr_grid", "1e-3,0.001"], "--lr_grid: 1e-3 and 0.001 are the same value"),
     (["--grid", "n_layer=1", "--grid", "n_layer=2"], "--grid n_layer= is given twice"),
+    (["--grid", "n_layer=1,2", "--set", "n_layer=3"], "n_layer given by both --grid and --set"),
 ])
 def test_a_value_given_twice_is_refused_before_anything_runs(tmp_path, capsys, flags, message):
     assert sweep.main([CONFIG, *flags, "--out_root", str(tmp_path), "--dry_run"]) == 2
