@@ -647,6 +647,12 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     """The checkpoint a resumed or eval-only run starts from; None for a new run, which may replace an earlier
     run's files (checkpoints, or only a metrics.jsonl) only with --overwrite=True."""
     path = checkpoint_to_load(cfg)
+    if path is not None and os.path.basename(path) == LAST_CHECKPOINT_NAME:
+        try:
+            return load_checkpoint(path, device)
+        except ConfigError as e:  # the best evaluation's ckpt.pt is still there to go back to
+            raise ConfigError(f"{e}; or delete {path} and its .sha256 to resume from {CHECKPOINT_NAME}, the best "
+                              "evaluation's checkpoint") from None
     if path is not None:
         return load_checkpoint(path, device)
     earlier = [name for name in previous_run_files(cfg.out_dir) if name.endswith(".pt") or name == METRICS_NAME]

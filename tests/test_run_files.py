@@ -202,6 +202,15 @@ def test_an_empty_or_unreadable_checksum_file_is_refused_naming_it(tmp_path):
         run_files.load_checkpoint(path, "cpu")
 
 
+def test_an_unreadable_stop_save_points_back_to_the_best_checkpoint(tmp_path):
+    """Resume takes ckpt_last.pt while it exists; if it cannot be read, the message says how to go back to
+    ckpt.pt (the best evaluation's), which is still there."""
+    (tmp_path / "ckpt_last.pt").write_bytes(b"junk")
+    cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--init_from=resume"])
+    with pytest.raises(train.ConfigError, match=r"or delete .*ckpt_last.pt and its .sha256 to resume from ckpt.pt"):
+        train.starting_point(cfg, "cpu")
+
+
 def test_resume_drops_metrics_lines_that_are_not_records_of_an_iteration(tmp_path):
     """The policy for a line cut short by a kill, for any line that is not a JSON object with an integer iter."""
     kept = [b'{"kind": "train", "iter": 3, "loss": 2.0}\n', b'{"kind": "train", "iter": 4, "loss": 1.9}\n']
