@@ -660,6 +660,10 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
         raise ConfigError(f"an earlier run already exists in {cfg.out_dir} ({', '.join(earlier)}); continue "
                           "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
                           "its checkpoints and metrics and start anew")
+    folders = [name for name in previous_run_files(cfg.out_dir) if os.path.isdir(os.path.join(cfg.out_dir, name))]
+    if folders and cfg.overwrite:  # --overwrite deletes files only: refuse now, not after the setup
+        raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and --overwrite "
+                          "deletes files only; move it away or choose another --out_dir")
     return None
 
 

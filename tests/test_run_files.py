@@ -211,6 +211,13 @@ def test_an_unreadable_stop_save_points_back_to_the_best_checkpoint(tmp_path):
         train.starting_point(cfg, "cpu")
 
 
+def test_overwrite_refuses_a_folder_named_like_a_run_file_before_the_setup(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()
+    cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--overwrite=True"])
+    with pytest.raises(train.ConfigError, match=r"metrics.jsonl in .* is a folder, not a run's file"):
+        train.starting_point(cfg, "cpu")
+
+
 def test_resume_drops_metrics_lines_that_are_not_records_of_an_iteration(tmp_path):
     """The policy for a line cut short by a kill, for any line that is not a JSON object with an integer iter."""
     kept = [b'{"kind": "train", "iter": 3, "loss": 2.0}\n', b'{"kind": "train", "iter": 4, "loss": 1.9}\n']
