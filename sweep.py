@@ -226,13 +226,8 @@ def launch(job: dict, threads: int) -> dict:
                               env=env).returncode
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
             "wall_s": before + time.perf_counter() - start, "threads": threads}
-    write_text(info_path, json.dumps(info, indent=1))
+    write_atomically(info_path, json.dumps(info, indent=1).encode())
     return info
-
-
-def write_text(path: str, text: str) -> None:
-    """Write a whole file at once (a temporary file beside it, renamed over it): never half a file."""
-    write_atomically(path, text.encode())
 
 
 def read_json(path: str) -> dict:
@@ -360,8 +355,9 @@ def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: lis
                         *([note] if note else [])])
     print("\n" + text)
     os.makedirs(out_root, exist_ok=True)
-    write_text(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n")
-    write_text(os.path.join(out_root, "summary.json"), json.dumps({"runs": rows, "grid_points": points}, indent=1))
+    write_atomically(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n".encode())
+    write_atomically(os.path.join(out_root, "summary.json"),
+                     json.dumps({"runs": rows, "grid_points": points}, indent=1).encode())
 
 
 # ----------------------------------------------------------------------------- the verdict rule
@@ -700,9 +696,10 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
     print("\n" + text)
     os.makedirs(out_root, exist_ok=True)
-    write_text(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n")
-    write_text(os.path.join(out_root, "summary.json"), json.dumps(
-        {"title": title, **recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table}, indent=1))
+    write_atomically(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n".encode())
+    write_atomically(os.path.join(out_root, "summary.json"), json.dumps(
+        {"title": title, **recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table},
+        indent=1).encode())
 
 
 def val_loss_at(out_dir: str, iteration: int) -> float | None:
@@ -742,7 +739,7 @@ def read_lr_summary(root: str) -> dict:
     if not os.path.exists(path):
         raise SweepError(f"{root} has no summary.json; pass the --out_root of a sweep.py --lr_grid run")
     summary = read_json(path)
-    if not isinstance(summary, dict) or "lr_points" not in summary:
+    if "lr_points" not in summary:  # read_json returns an object or raises
         raise SweepError(f"{root} is a sweep without --lr_grid (its summary.json has no lr_points); "
                          "pass the --out_root of a sweep.py --lr_grid run")
     summary.setdefault("lr_key", "learning_rate")

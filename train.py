@@ -647,22 +647,24 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     """The checkpoint a resumed or eval-only run starts from; None for a new run, which may replace an earlier
     run's files (checkpoints, or only a metrics.jsonl) only with --overwrite=True."""
     path = checkpoint_to_load(cfg)
-    if path is not None and os.path.basename(path) == LAST_CHECKPOINT_NAME:
+    if path is not None:
         try:
             return load_checkpoint(path, device)
-        except ConfigError as e:  # the best evaluation's ckpt.pt is still there to go back to
+        except ConfigError as e:
+            if os.path.basename(path) != LAST_CHECKPOINT_NAME:
+                raise
+            # the best evaluation's ckpt.pt is still there to go back to
             raise ConfigError(f"{e}; or delete {path} and its .sha256 to resume from {CHECKPOINT_NAME}, the best "
                               "evaluation's checkpoint") from None
-    if path is not None:
-        return load_checkpoint(path, device)
-    earlier = [name for name in previous_run_files(cfg.out_dir) if name.endswith(".pt") or name == METRICS_NAME]
+    found = previous_run_files(cfg.out_dir)
+    earlier = [name for name in found if name.endswith(".pt") or name == METRICS_NAME]
     if earlier and not cfg.overwrite:
         raise ConfigError(f"an earlier run already exists in {cfg.out_dir} ({', '.join(earlier)}); continue "
                           "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
                           "its checkpoints and metrics and start anew")
-    folders = [name for name in previous_run_files(cfg.out_dir) if os.path.isdir(os.path.join(cfg.out_dir, name))]
-    if folders and cfg.overwrite:  # --overwrite deletes files only: refuse now, not after the setup
-        raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and --overwrite "
+    folders = [name for name in found if os.path.isdir(os.path.join(cfg.out_dir, name))]
+    if folders:  # a new run deletes the earlier run's files, not folders: refuse now, not after the setup
+        raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and a new run "
                           "deletes files only; move it away or choose another --out_dir")
     return None
 

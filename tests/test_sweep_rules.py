@@ -168,16 +168,16 @@ def test_a_junk_checkpoint_exits_2_naming_it(tmp_path, capsys):
     one_line_error(capsys, "ckpt.pt")
 
 
-def test_a_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
+def test_a_failed_write_leaves_the_previous_summary_whole(tmp_path, monkeypatch):
     path = tmp_path / "summary.json"
-    sweep.write_text(str(path), '{"old": 1}')
+    path.write_text('{"old": 1}')
 
     def fail(*_):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        sweep.write_text(str(path), '{"new": 2}')
+        sweep.write_summary(str(tmp_path), [], [], [], False, "a sweep")
     assert json.loads(path.read_text()) == {"old": 1}
 
 
