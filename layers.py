@@ -97,8 +97,9 @@ class UnitNormFunction(torch.autograd.Function):
 def unit_backward(grad: torch.Tensor, u: torch.Tensor, inverse: torch.Tensor,
                   above_floor: torch.Tensor) -> torch.Tensor:
     """The gradient through u = x / max(||x||, eps), from u, 1 / max(||x||, eps) and ||x|| >= eps."""
-    along = row_dot(grad, u) * above_floor
-    return torch.addcmul(grad, u, along, value=-1).mul_(inverse)
+    out = torch.empty_like(grad)  # takes the dot product's products first (see `row_dot`)
+    along = row_dot(grad, u, out) * above_floor
+    return torch.addcmul(grad, u, along, value=-1, out=out).mul_(inverse)
 
 
 class NormalizedLerpFunction(torch.autograd.Function):
@@ -187,74 +188,68 @@ class GeodesicTerms(NamedTuple):
     """Per-token quantities of one geodesic step; every field but `v` has shape (..., 1)."""
 
     x_norm: torch.Tensor  # ||x||
-    radius: torch.Tensor  # ||x|| clamped below at 1e-6
+    radius: torch.Tensor  # r = ||x|| clamped below at 1e-6
+    radius_sq: torch.Tensor  # r^2
     dot: torch.Tensor  # <x, s>
-    v: torch.Tensor  # the tangent component of s at x, shape (..., d)
+    q: torch.Tensor  # <x, s> / r^2
+    v: torch.Tensor  # the tangent component of s at x, v = s - q x, shape (..., d)
     v_norm_raw: torch.Tensor  # ||v||
-    v_norm: torch.Tensor  # ||v|| clamped below at 1e-8
-    ratio: torch.Tensor  # ||v|| / ||x||, the angle eq. 3 would take
-    scaled: torch.Tensor  # (a * min(ratio, c) + b) * decay, before the final clamp
+    v_norm: torch.Tensor  # n = ||v|| clamped below at 1e-8
+    ratio: torch.Tensor  # n / r, the angle eq. 3 would take
+    ratio_c: torch.Tensor  # min(n / r, c)
+    scaled: torch.Tensor  # (a * min(n / r, c) + b) * decay, before the final clamp
     theta: torch.Tensor  # the applied angle theta'
 
 
-def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """<a, b> over the last dim, kept as size 1, in the inputs' dtype whatever autocast says.
-
-    In float32 and float64 rows are taken in pairs: one batched product of (2, d) by (d, 2) matrices per
-    pair, whose diagonal holds the pair's two dot products. That reads a and b once and writes no (..., d)
-    temporary; on a CPU (2048 rows of 256 float32 values, one thread) it runs in about 40% of the time
-    of one batched product per row (each a tiny matrix multiply with its own call overhead) and 60% of
-    `vecdot` (a multiply, then a sum). Not on every CPU: on an AMD EPYC (no AMX) the pairs took 1.8x
-    vecdot's time (0.168 against 0.094 ms, freed memory reused); which is faster depends on the CPU.
-    bf16 and fp16 use `vecdot`: there a CPU runs even the paired products slower (1.7x) than a multiply
-    and a sum."""
-    with torch.autocast(a.device.type, enabled=False):
-        if a.dtype.itemsize < 4:
-            return torch.linalg.vecdot(a, b).unsqueeze(-1)
-        d = a.shape[-1]
-        if (a.numel() // d) % 2:
-            return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)
-        pairs = torch.matmul(a.reshape(-1, 2, d), b.reshape(-1, 2, d).mT)
-        return pairs.diagonal(dim1=-2, dim2=-1).reshape(*a.shape[:-1], 1)
+def row_dot(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """<a, b> over the last dim, kept as size 1 (a multiply and a sum, as `vecdot`). `scratch`, a tensor
+    of a's shape and dtype whose contents may be lost, takes the products instead of a new tensor: a
+    buffer written again soon after is still in cache, a fresh one is not."""
+    return torch.mul(a, b, out=scratch).sum(-1, keepdim=True)
 
 
-def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   decay: float, clamp: float, lowest: float) -> GeodesicTerms:
+def geodesic_terms(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float,
+                   clamp: float, lowest: float, scratch: torch.Tensor | None = None) -> GeodesicTerms:
     """Tangent, its norm and the applied angle of GeoNorm eq. 5 (see `GeodesicStep`), in the wider
     dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast). The applied
     angle is clamped to [lowest, clamp]: lowest is -inf (eq. 5's min(., c)) or -clamp."""
     x = x.to(torch.promote_types(x.dtype, s.dtype))
-    s_wide = s.to(x.dtype)
+    v = s.to(x.dtype, copy=True)  # s now, the tangent below (built in place)
     x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     radius = x_norm.clamp_min(1e-6)
-    dot = row_dot(x, s_wide)
-    q = dot / radius.square()
-    # v = s - <x,s>/||x||^2 x, written over s_wide when that is already a copy of s
-    v = s_wide.addcmul_(x, -q) if s_wide is not s else torch.addcmul(s, x, -q)
+    radius_sq = radius.square()
+    dot = row_dot(x, v, scratch)
+    q = dot / radius_sq
+    v.addcmul_(x, q, value=-1)
     v_norm_raw = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
     v_norm = v_norm_raw.clamp_min(1e-8)
     ratio = v_norm / radius
-    scaled = torch.addcmul(b, a, ratio.clamp_max(clamp)).mul_(decay)
-    return GeodesicTerms(x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, scaled.clamp(lowest, clamp))
+    ratio_c = ratio.clamp_max(clamp)
+    scaled = torch.addcmul(b, a, ratio_c).mul_(decay)
+    theta = scaled.clamp(lowest, clamp)
+    return GeodesicTerms(x_norm, radius, radius_sq, dot, q, v, v_norm_raw, v_norm, ratio, ratio_c, scaled, theta)
 
 
 class GeodesicStepFunction(torch.autograd.Function):
     """GeoNorm eq. 5 as one autograd node with a backward written by hand.
 
-    It makes six passes over the stream forward (two norms, one dot product, the tangent, the output
-    in two) and eight backward (the dot products <g,x> and <g,v>, then each gradient as a combination
-    of g, v and x in three), and saves x, v and per-token scalars only: about half the time of
-    autograd through the same ops on a CPU, which saves and re-reads every intermediate.
+    It saves x, the tangent v and per-token scalars only, and makes eight passes over the stream
+    forward (a copy of s, two norms, a dot product as a product and a sum, the tangent, the output in
+    two) and ten backward (the dot products <g,x> and <g,v>, each gradient as a combination of g, v
+    and x in three), plus one under autocast to cast the bf16 sub-layer's gradient. The dot products'
+    products go into the buffers the outputs are then built in, which are still in cache. Autograd
+    through the same eager ops saves and re-reads every intermediate, and takes about twice as long on
+    a CPU (BENCHMARKS.md).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 decay: float, clamp: float, lowest: float) -> torch.Tensor:
-        t = geodesic_terms(x, s, a, b, decay, clamp, lowest)
+        out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, s.dtype))
+        t = geodesic_terms(x, s, a, b, decay, clamp, lowest, scratch=out)
         cos, sin = torch.cos(t.theta), torch.sin(t.theta)
         step = t.radius * sin / t.v_norm  # x_new = cos(theta') x + step v
-        out = x * cos
-        out.addcmul_(t.v, step)
+        torch.mul(x, cos, out=out).addcmul_(t.v, step)
         ctx.dtypes, ctx.decay, ctx.clamp = (x.dtype, s.dtype), decay, clamp
         ctx.save_for_backward(x.to(out.dtype), a, cos, sin, step, *t)
         return out
@@ -262,33 +257,35 @@ class GeodesicStepFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        x, a, cos, sin, step, x_norm, radius, dot, v, v_norm_raw, v_norm, ratio, scaled, theta = ctx.saved_tensors
+        # Notation of `GeodesicTerms`: r, q, v, n, theta'; k = step; g = grad; D_y = dL/dy.
+        x, a, cos, sin, k, x_norm, r, r_sq, dot, q, v, n_raw, n, ratio, ratio_c, scaled, theta = ctx.saved_tensors
         decay, clamp = ctx.decay, ctx.clamp
-        grad = grad.to(x.dtype)
-        grad_x_dot, grad_v_dot = row_dot(grad, x), row_dot(grad, v)
-        # back through theta' = clamp((a min(ratio, c) + b) decay, lowest, c) and ratio = ||v|| / ||x||;
-        # theta' == scaled exactly where the clamp let it through
-        d_theta = (radius * cos / v_norm * grad_v_dot - sin * grad_x_dot) * (theta == scaled)
-        d_ratio = d_theta * decay * a * (ratio <= clamp)
-        d_v_norm = (d_ratio / radius - grad_v_dot * step / v_norm) * (v_norm_raw >= 1e-8)
-        d_radius = grad_v_dot * sin / v_norm - d_ratio * ratio / radius
-        v_coef = (d_v_norm / v_norm_raw).masked_fill(v_norm_raw == 0, 0)  # grad of ||v|| is v / ||v||
-        # back through v = s - q x with q = <x,s> / ||x||^2; <v, x> = <x,s> - q ||x||^2
-        q = dot / radius.square()
-        d_q = -(step * grad_x_dot + v_coef * (dot - q * x_norm.square()))
-        d_dot = d_q / radius.square()
-        d_radius = (d_radius - 2 * q * d_q / radius) * (x_norm >= 1e-6)
-        x_coef = (d_radius / x_norm).masked_fill(x_norm == 0, 0)
-        # with dv = step g + v_coef v (the gradient reaching v):  ds = dv + d_dot x  and
-        # dx = cos g - q dv + d_dot s + x_coef x, written with s = v + q x
-        grad_s = grad * step
-        grad_s.addcmul_(v, v_coef).addcmul_(x, d_dot)
-        grad_x = grad * (cos - q * step)
-        grad_x.addcmul_(v, d_dot - q * v_coef).addcmul_(x, d_dot * q + x_coef)
-        d_scaled = d_theta * decay
-        grad_a = (d_scaled * ratio.clamp_max(clamp)).sum().to(a.dtype) if ctx.needs_input_grad[2] else None
-        grad_b = d_scaled.sum().to(a.dtype) if ctx.needs_input_grad[3] else None
-        return grad_x.to(ctx.dtypes[0]), grad_s.to(ctx.dtypes[1]), grad_a, grad_b, None, None, None
+        g = grad.to(x.dtype)
+        scratch = torch.empty_like(x)
+        g_x = row_dot(g, x, scratch)  # <g, x>
+        g_w = row_dot(g, v, scratch) / n  # <g, v> / n
+        # out = cos(theta') x + k v with k = r sin(theta') / n:  D_theta' = r e
+        e = torch.addcmul(cos * g_w, sin, g_x / r, value=-1)
+        # theta' = clamp((a min(ratio, c) + b) decay); theta' == scaled exactly where the clamp let it through
+        d_affine = e * (theta == scaled) * (r * decay)  # D of a min(ratio, c) + b
+        d_ratio_r = d_affine * (ratio <= clamp) * (a / r)  # D_ratio / r
+        # n enters through ratio = n / r and k:  D_n = D_ratio / r - k <g,v> / n;  D_v = k g + v_coef v
+        v_coef = torch.addcmul(d_ratio_r, k, g_w, value=-1).mul_(n_raw >= 1e-8).div_(n)
+        # v = s - q x:  D_q = -<D_v, x>, with <v, x> = <x,s> - q ||x||^2 (zero unless ||x|| < 1e-6)
+        d_q = torch.addcmul(k * g_x, v_coef, torch.addcmul(dot, q, x_norm.square(), value=-1)).neg_()
+        d_dot = d_q / r_sq
+        # r enters through ratio, k and q = <x,s> / r^2 (k <g,v> / r = sin(theta') <g,v> / n)
+        d_r = torch.addcmul(sin * g_w, d_ratio_r, ratio, value=-1).addcdiv_(q * d_q, r, value=-2)
+        x_coef = d_r.mul_(x_norm >= 1e-6).div_(r)  # D_||x|| x / ||x||, through r = max(||x||, 1e-6)
+        # ds = D_v + D_<x,s> x;  dx = cos g - q D_v + D_<x,s> s + x_coef x, written with s = v + q x.
+        # A float32 ds for a bf16 s is built in the scratch buffer, cast, and the buffer reused for dx.
+        grad_s = torch.mul(g, k, out=scratch if ctx.dtypes[1] != x.dtype else None)
+        grad_s = grad_s.addcmul_(v, v_coef).addcmul_(x, d_dot).to(ctx.dtypes[1])
+        grad_x = torch.mul(g, torch.addcmul(cos, q, k, value=-1), out=scratch)
+        grad_x.addcmul_(v, torch.addcmul(d_dot, q, v_coef, value=-1)).addcmul_(x, torch.addcmul(x_coef, q, d_dot))
+        grad_a = torch.vdot(d_affine.flatten(), ratio_c.flatten()).to(a.dtype) if ctx.needs_input_grad[2] else None
+        grad_b = d_affine.sum().to(a.dtype) if ctx.needs_input_grad[3] else None
+        return grad_x.to(ctx.dtypes[0]), grad_s, grad_a, grad_b, None, None, None
 
 
 # ----------------------------------------------------------------------------- norms

@@ -24,7 +24,6 @@ from layers import (
     RMSNormFunction,
     SquashFunction,
     UnitNormFunction,
-    row_dot,
 )
 from model import GPT, GPTConfig
 
@@ -50,19 +49,6 @@ def step_inputs(dtype=torch.float64, shape=(2, 6, 16), seed=0, parallel_token=Fa
     if parallel_token:
         s[0, 0] = 3 * x[0, 0]
     return x, s
-
-
-@pytest.mark.parametrize("shape", [(3, 4, 16), (3, 5, 16), (7, 16)])
-def test_row_dot_takes_rows_in_pairs_and_equals_a_multiply_and_sum(shape):
-    """An even row count takes the paired product (the diagonal of each pair's 2x2 block), an odd one the
-    product per row; a non-contiguous view is copied into pairs. Every row's dot product sits in its place."""
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
-    for left, right in ((a, b), (a.mT.contiguous().mT, b), (a.float(), b.float())):
-        expected = (left.double() * right.double()).sum(-1, keepdim=True)
-        # float64: rounding only; float32: sums of 16 products of N(0, 1) values, within 1e-5 of their scale
-        tol = 1e-12 if left.dtype == torch.float64 else 1e-5
-        torch.testing.assert_close(row_dot(left, right).double(), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("a, b, decay, clamp", [(1.0, 0.0, 1.0, math.pi / 4), (0.7, 0.05, 0.5, math.pi / 4),
@@ -93,6 +79,31 @@ def test_geodesic_step_guards_a_zero_tangent_like_eq5():
     out = GeodesicStepFunction.apply(x, s, a, b, 1.0, math.pi / 4, -math.inf)
     torch.testing.assert_close(out, eq5_autograd(x, s, a, b, 1.0, math.pi / 4), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[0, 0], x[0, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_geodesic_step_gradients_at_the_norm_floors_equal_eq5():
+    """Where a floor acts, r = max(||x||, 1e-6) and n = max(||v||, 1e-8) are constants in x and v: a token
+    with ||x|| = 1e-8 and one whose tangent has norm 1e-10 take the same gradients as autograd through
+    eq. 5, which passes through the same floors. At the second token b = 0.05 makes the step k = r
+    sin(theta') / n large, and the term a missing n floor would add to ds is about (||v|| / n)^2 = 1e-4
+    of k g: far above rounding. (With a tangent of rounding noise, 1e-15, it would be 1e-14 of it.)"""
+    x, s = step_inputs()
+    x[1, 2] *= 1e-8 / torch.linalg.vector_norm(x[1, 2])
+    across = torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    across -= (across @ x[0, 0]) / (x[0, 0] @ x[0, 0]) * x[0, 0]
+    s[0, 0] = 3 * x[0, 0] + 1e-10 * across / torch.linalg.vector_norm(across)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for fn in (GeodesicStepFunction.apply, eq5_autograd):
+        xs = [x.clone().requires_grad_(), s.clone().requires_grad_(),
+              torch.tensor(0.7, dtype=torch.float64, requires_grad=True),
+              torch.tensor(0.05, dtype=torch.float64, requires_grad=True)]
+        out = fn(*xs, 0.5, math.pi / 4, -math.inf)
+        out.backward(grad_out)
+        results.append([out.detach()] + [t.grad for t in xs])
+    # float64, the same formula with its terms in another order: rounding only
+    for name, fused, reference in zip(("out", "dx", "ds", "da", "db"), *results, strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_geodesic_step_passes_gradcheck():
@@ -207,7 +218,6 @@ def test_unit_norm_function_equals_f_normalize_and_passes_gradcheck():
 
 
 def test_unit_norm_function_in_bf16_is_within_rounding_of_float64():
-    """bf16 takes `row_dot`'s other branch (vecdot instead of a batched matrix product) in the backward."""
     torch.manual_seed(0)
     x = torch.randn(8, 4, 32, 64).bfloat16().requires_grad_()
     upstream = torch.randn(8, 4, 32, 64).bfloat16()
