@@ -334,7 +334,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
-    from sweep import first_seed_runs
+    from sweep import first_seed_runs, matches
 
     sweep = load_lr_sweeps(roots)
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
@@ -351,8 +351,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     failed: dict[str, list[float]] = {}
     for point in sweep["lr_points"]:
         label = point["label"]
-        runs = [r for r in sweep["runs"] if r["root"] == point["root"] and all(
-            str(r.get(k)) == str(point.get(k)) for k in keys)]
+        runs = [r for r in sweep["runs"] if r["root"] == point["root"] and matches(r, {k: point.get(k) for k in keys})]
         for r in first_seed_runs(runs, lr_key):  # the seed that ran every rate, as sweep.py picks it
             loss = r.get("val_loss")
             ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \

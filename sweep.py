@@ -478,6 +478,11 @@ def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dic
     return first, {k: values[k] / values[first] for k in followers if k != first}
 
 
+def matches(row: dict, point: dict) -> bool:
+    """Whether a run (or point) has every value of `point`, compared as text (a summary's 0.001 is "0.001")."""
+    return all(str(row.get(k)) == str(v) for k, v in point.items())
+
+
 def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
     """The runs of one grid point on its first seed: the seed that ran the most rates."""
     rates: dict[int, set] = {}
@@ -559,7 +564,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     choice = []
     for point in points:
-        rows = [r for r in first_rows if all(str(r.get(k)) == str(v) for k, v in point.items())]
+        rows = [r for r in first_rows if matches(r, point)]
         choice.append({**point, **pick_best(rows, lr_key, lr_values)})
     later = seeds[lr_seeds:]
     rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None and later
@@ -654,7 +659,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
     (`lr_verdict`: inconclusive when a grid is too short or a best rate on its edge). A point that trained
     at no rate says so in place of a verdict."""
     def runs_of(c: dict) -> list[dict]:
-        return [r for r in rows if all(str(r.get(k)) == str(c[k]) for k in keys)]
+        return [r for r in rows if matches(r, {k: c[k] for k in keys})]
 
     def seeds_at_best(c: dict) -> dict[int, float]:
         return {r["seed"]: final_loss(r) for r in runs_of(c) if c["best_lr"] is not None
@@ -663,7 +668,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
     def shortfall(c: dict) -> str | None:
         return grid_shortfall(first_seed_runs(runs_of(c), lr_key), lr_key, c["best_lr"])
 
-    base = next((c for c in choice if baseline and all(str(c[k]) == str(v) for k, v in baseline.items())), None)
+    base = next((c for c in choice if baseline and matches(c, baseline)), None)
     base_losses = seeds_at_best(base) if base else {}
     table = []
     for c in choice:
@@ -726,7 +731,7 @@ def best_lr_runs(root: str, point: dict) -> dict[int, str]:
     if not best:
         raise SweepError(f"{point} is no point of the --lr_grid sweep in {root}")
     match = {**point, lr_key: best[0]}
-    return {r["seed"]: r["out_dir"] for r in summary["runs"] if all(str(r.get(k)) == str(v) for k, v in match.items())}
+    return {r["seed"]: r["out_dir"] for r in summary["runs"] if matches(r, match)}
 
 
 LR_POINT_FIELDS = ("best_lr", "seed_losses", "val_loss_mean")
@@ -776,7 +781,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
         summary = read_lr_summary(root)
         keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
-            runs = [r for r in summary["runs"] if all(str(r.get(k)) == str(point[k]) for k in keys)]
+            runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
             label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
             first = first_seed_runs(runs, lr_key)
             points.append({**point, "label": label, "root": root, "summary": summary, "lr_key": lr_key,
@@ -790,7 +795,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
     for p in points:
         if labels.count(p["label"]) > 1:
             p["label"] += f" ({os.path.basename(os.path.normpath(p['root']))})"
-    base = next((p for p in points if baseline and all(str(p.get(k)) == str(v) for k, v in baseline.items())), None)
+    base = next((p for p in points if baseline and matches(p, baseline)), None)
     if baseline and base is None:
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
     table = []
