@@ -23,6 +23,7 @@ Usage:
     python prepare_data.py mycorpus --input docs.parquet  #   --text_field) or .parquet
     python prepare_data.py mycorpus --input fineweb10B/   # a folder of *_train_*/*_val_*.bin shards
     python prepare_data.py shakespeare --force            # rebuild; the old copy stays until done
+                                                          # (--force replaces a prepared dataset only)
 
 --num_proc N tokenizes with N processes (any source); the result is byte-identical to one process.
 
@@ -367,26 +368,43 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
         raise ValueError(f"cannot read {path}: use a {', '.join(READERS)} file or a folder of them")
     else:
         files = [root]
+    if text_field != "text" and all(f.suffix.lower() == ".txt" for f in files):
+        raise ValueError(f"--text_field names a field of .jsonl/.parquet rows, but {path} holds only .txt "
+                         "files, each read whole as one document: leave --text_field out")
     docs = chain.from_iterable(READERS[f.suffix.lower()](f, text_field) for f in files)
     return [doc for doc in docs if doc.strip()]
 
 
 def split_documents(docs: list[str], val_fraction: float, seed: int = 0) -> dict[str, list[str]]:
-    """Hold out a fixed random val_fraction of the documents (at least one, never all). A single
-    document is cut instead: its last val_fraction, from a line start, is held out."""
+    """Hold out about val_fraction of the text, in characters: whole documents, taken in a fixed random
+    order while they fit in twice that share. When no such set of documents holds at least half of the
+    share (a single document, or a corpus of one long book and a few notes), the largest document is
+    cut instead and its last val_fraction of the text, from a nearby line start, held out."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     if not docs:
         raise ValueError("no documents to prepare")
-    if len(docs) == 1:
-        text = docs[0]
-        cut = int(len(text) * (1 - val_fraction))
-        cut = text.rfind("\n", 0, cut) + 1 or cut  # back to a line start, if there is one
-        return {"train": [text[:cut]], "val": [text[cut:]]}
-    n_val = min(len(docs) - 1, max(1, round(len(docs) * val_fraction)))
-    held_out = set(random.Random(seed).sample(range(len(docs)), n_val))
-    return {"train": [d for i, d in enumerate(docs) if i not in held_out],
-            "val": [d for i, d in enumerate(docs) if i in held_out]}
+    target = val_fraction * sum(map(len, docs))
+    held_out, size = set(), 0
+    for i in random.Random(seed).sample(range(len(docs)), len(docs)):
+        if size >= target:
+            break
+        if size + len(docs[i]) <= 2 * target:
+            held_out.add(i)
+            size += len(docs[i])
+    if size >= target / 2 and len(held_out) < len(docs):
+        return {"train": [d for i, d in enumerate(docs) if i not in held_out],
+                "val": [d for i, d in enumerate(docs) if i in held_out]}
+    largest = max(range(len(docs)), key=lambda i: len(docs[i]))
+    text = docs[largest]
+    cut = len(text) - max(1, round(target))
+    line = text.rfind("\n", 0, cut) + 1  # back to a line start, if one is near: within the held-out
+    if line and cut - line <= max(target, 200):  # length again, or a few lines of a short text
+        cut = line
+    if not text[:cut].strip() or not text[cut:].strip():
+        raise ValueError(f"too little text to hold out {val_fraction:g} of it ({sum(map(len, docs))} "
+                         "characters): give more text, or a larger --val_fraction")
+    return {"train": docs[:largest] + [text[:cut]] + docs[largest + 1:], "val": [text[cut:]]}
 
 
 class _TextColumn:
@@ -687,27 +705,51 @@ def _write_json(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
+DATASET_FILES = {"meta.json", "train.bin", "val.bin"}  # what a preparation writes, all --force replaces
+
+
 def _exists_message(out: Path) -> str:
     return (f"{out} already exists; nothing was changed. To rebuild it, run again with --force "
             "(force=True); the old copy is kept until the new one is complete.")
 
 
-def _swap_in(new: Path, out: Path) -> None:
-    """Rename the finished folder `new` to `out`. An old `out` is first moved aside, so a crash
-    between the two renames leaves it as <out>.old-<pid>, never half-overwritten."""
+def check_target(out: Path, force: bool) -> None:
+    """Refuse to build at `out` if something is there, unless force and it is a prepared dataset:
+    a folder holding only DATASET_FILES (--force never deletes a corpus or anything else)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise FileExistsError(_exists_message(out))
+    if out.is_symlink() or not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a dataset folder; nothing was changed. "
+                              "Move it, or choose another --data_dir.")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in DATASET_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise FileExistsError(f"{out} holds files a preparation does not write ({shown}); --force only "
+                              "replaces a prepared dataset, so nothing was changed. Move those files, "
+                              "or choose another --data_dir or source name.")
+
+
+def _swap_in(new: Path, out: Path, force: bool) -> None:
+    """Rename the finished folder `new` to `out`. With force, an old dataset at `out` is first moved
+    aside, so a crash between the two renames leaves it as <out>.old-<pid>, never half-overwritten.
+    Without, a dataset another preparation finished meanwhile is kept and this one is dropped."""
+    check_target(out, force)  # again: another preparation may have finished since the start
+    if not out.exists():
+        try:
+            os.rename(new, out)  # fails if a folder with files in it appeared since the check
+        except OSError as e:
+            raise FileExistsError(_exists_message(out)) from e
+        return
     old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
+    os.replace(out, old)
     try:
         os.replace(new, out)
     except OSError:
-        if old.exists():
-            os.replace(old, out)
+        os.replace(old, out)
         raise
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+    shutil.rmtree(old)
 
 
 def _remove_stale_work(out: Path) -> None:
@@ -753,8 +795,7 @@ def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[
                       meta: dict) -> dict:
     """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus
     the dtype and token counts), then rename the folder to out. Returns the full meta."""
-    if out.exists() and not force:
-        raise FileExistsError(_exists_message(out))
+    check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _work_folder(out) as work:
         counts = write_bins(work)
@@ -766,7 +807,7 @@ def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[
                 "dtype": _token_dtype(meta["vocab_size"]), "train_tokens": counts["train"],
                 "val_tokens": counts["val"], **meta}
         _write_json(work / "meta.json", meta)
-        _swap_in(work, out)
+        _swap_in(work, out, force)
     return meta
 
 
@@ -786,8 +827,7 @@ def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
     if tokenizer.chars is not None:
         meta["chars"] = list(tokenizer.chars)
     dtype = _token_dtype(tokenizer.vocab_size)
-    if Path(out_dir).exists() and not force:  # before any process is started
-        raise FileExistsError(_exists_message(Path(out_dir)))
+    check_target(Path(out_dir), force)  # before any process is started
     with chunk_encoder(tokenizer, dtype, num_proc) as encoder:
 
         def write_bins(work: Path) -> dict[str, int]:
@@ -913,8 +953,7 @@ def prepare(source: str, tokenizer: str = "gpt2", data_dir: str = "data", force:
         raise ValueError(f"{source!r} cannot name a dataset folder: use letters, digits, _ . -")
     _check_options(source, kind, tokenizer, options)
     out = Path(data_dir) / dataset_name(source, tokenizer)
-    if out.exists() and not force:  # before any download or tokenizing
-        raise FileExistsError(_exists_message(out))
+    check_target(out, force)  # before any download or tokenizing
     if kind in ("hub shards", "shard folder"):
         shards, description = _source_shards(source, kind, options)
         write_shard_dataset(out, shards, description, force, options.get("max_tokens"))
@@ -942,7 +981,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                         "folder of *_train_*.bin and *_val_*.bin token shards")
     parser.add_argument("--text_field", help="text field of .jsonl/.parquet rows (default: text)")
     parser.add_argument("--val_fraction", type=float,
-                        help="fraction of documents held out (default: 0.01; hub download: 0.0005)")
+                        help="share held out for validation: of the text, in whole documents where they "
+                             "fit (local files, default 0.01); of the documents (hub: 0.0005, "
+                             "streamed: 0.01)")
     parser.add_argument("--num_proc", type=int, help="processes that tokenize (and download from "
                                                      "the hub); default 1")
     parser.add_argument("--subset", help="hub config (fineweb, fineweb_edu default: sample-10BT)")

@@ -287,6 +287,56 @@ def test_existing_dataset_needs_force(tmp_path, char_tokenizer):
     assert leftovers(tmp_path) == []
 
 
+def test_force_replaces_only_a_prepared_dataset(tmp_path, capsys):
+    corpus = tmp_path / "data" / "mytext"  # the corpus sits where its dataset would go
+    corpus.mkdir(parents=True)
+    (corpus / "a.txt").write_text("a line of text\n" * 50)
+    before = snapshot(corpus)
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit) as exit_:
+            prepare_data.main(["mytext", "--input", str(corpus), "--data_dir", str(tmp_path / "data"), *force])
+        assert exit_.value.code == 2
+    assert "a.txt" in capsys.readouterr().err and snapshot(corpus) == before
+    (tmp_path / "data" / "file_char").write_text("not a folder")
+    with pytest.raises(FileExistsError, match="not a dataset folder"):
+        prepare("file", "char", input=str(corpus), data_dir=str(tmp_path / "data"), force=True)
+
+
+def test_dataset_finished_meanwhile_by_another_run_is_kept(tmp_path, monkeypatch, char_tokenizer):
+    out, write_split = tmp_path / "d", prepare_data._write_split
+
+    def other_run_finishes_first(path, docs, encoder, max_tokens):
+        monkeypatch.setattr(prepare_data, "_write_split", write_split)
+        write_dataset(out, {"train": ["theirs"], "val": ["theirs"]}, char_tokenizer, "theirs")
+        return write_split(path, docs, encoder, max_tokens)
+
+    monkeypatch.setattr(prepare_data, "_write_split", other_run_finishes_first)
+    with pytest.raises(FileExistsError, match="--force"):
+        write_dataset(out, {"train": ["mine"], "val": ["mine"]}, char_tokenizer, "mine")
+    assert load_meta(out)["source"] == "theirs" and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("docs", [
+    ["A title\n" + "x" * 20_000],  # one long line after a short one: cut inside it
+    ["a note\n", "line\n" * 4_000],  # a book and a note: the book is cut, not the note held out
+    [f"doc {i} " * (1 + i % 50) for i in range(400)],  # many documents: whole ones held out
+])
+def test_split_holds_out_about_val_fraction_of_the_text(docs):
+    splits = prepare_data.split_documents(docs, 0.05)
+    share = sum(map(len, splits["val"])) / sum(map(len, docs))
+    assert 0.025 <= share <= 0.1  # between half and twice the share asked for
+    if len(docs) > 2:
+        assert sorted(splits["train"] + splits["val"]) == sorted(docs)
+    else:  # the largest document cut in two, nothing lost
+        assert "".join(splits["train"] + splits["val"]) == "".join(docs) and len(splits["val"]) == 1
+
+
+@pytest.mark.parametrize("docs", [["a"], ["ab\n"], ["x", "y"]])
+def test_split_of_too_little_text_is_refused(docs):
+    with pytest.raises(ValueError, match="too little text"):
+        prepare_data.split_documents(docs, 0.01)
+
+
 # -----------------------------------------------------------------------------
 # load_meta and the commands it recommends
 
@@ -377,7 +427,8 @@ def test_input_jsonl_reads_text_field(tmp_path, write_calls):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     with pytest.raises(ValueError, match="--text_field"):
         prepare("docs", input=str(path), data_dir=str(tmp_path / "data"))
-    folder = prepare("docs", input=str(path), text_field="body", data_dir=str(tmp_path / "data"))
+    folder = prepare("docs", input=str(path), text_field="body", data_dir=str(tmp_path / "data"),
+                     val_fraction=0.3)  # a whole document: the three hold 71 characters
     assert prepared_documents(Path(folder)) == sorted(DOCS)
     assert len(write_calls) == 1
 
@@ -397,7 +448,7 @@ def test_input_parquet_reads_text_column(tmp_path, write_calls):
         with pytest.raises(ImportError, match="pip install pyarrow"):
             prepare_data._read_parquet(path, "text")
         pytest.skip("neither pyarrow nor pandas is installed (the clear error was checked)")
-    folder = prepare("docs", input=str(path), data_dir=str(tmp_path / "data"))
+    folder = prepare("docs", input=str(path), data_dir=str(tmp_path / "data"), val_fraction=0.3)
     assert prepared_documents(Path(folder)) == sorted(DOCS)
     assert len(write_calls) == 1
 
