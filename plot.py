@@ -40,26 +40,31 @@ class PlotError(ValueError):
 
 
 def load_metrics(out_dir: str) -> list[dict]:
-    """The records of out_dir/metrics.jsonl ([] if there is none); a line cut off mid-write is skipped."""
+    """The records of out_dir/metrics.jsonl ([] if there is none); a line cut off mid-write, or one that is not
+    a JSON object (a file edited by hand), is skipped."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     records = []
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 
 def run_config(out_dir: str) -> dict | None:
     """The model and training settings saved in out_dir/ckpt.pt, model keys first, and under "scheme" the
     primitives the run's scheme used. Without a checkpoint (a run that diverged before its first one),
-    the settings its sweep.py command line gave (out_dir/run.json); None without either."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    if not os.path.exists(path):
+    the settings its sweep.py command line gave (out_dir/run.json); None without either. A run stopped before
+    its first ckpt.pt has its settings in the stop signal's ckpt_last.pt."""
+    path = next((p for p in (os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_last.pt"))
+                 if os.path.exists(p)), None)
+    if path is None:
         return command_line_config(out_dir)
     import torch
 
@@ -141,7 +146,8 @@ def seedless(name: str) -> str:
 
 def diverged_at(records: list[dict]) -> int | None:
     """The iteration of a run's "diverged" status line, if it has one."""
-    return next((r["iter"] for r in records if r.get("kind") == "status" and r.get("status") == "diverged"), None)
+    return next((r["iter"] for r in records if r.get("kind") == "status" and r.get("status") == "diverged"
+                 and isinstance(r.get("iter"), int)), None)  # a line without its iteration (edited by hand): skipped
 
 
 def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[str, tuple[list, list]]:
@@ -161,7 +167,11 @@ def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[st
         elif isinstance(value, list) and index == "max":  # the largest over the blocks
             points = {"": max(value, default=None)}
         elif isinstance(value, list):
-            points = {"": value[int(index or -1)]}
+            i = int(index or -1)
+            if not -len(value) <= i < len(value):
+                raise PlotError(f"{metric}: the run logged {name} for {len(value)} blocks; give an index from "
+                                f"{-len(value)} to {len(value) - 1}, or {name}[max]")
+            points = {"": value[i]}
         else:
             points = {"": value}
         for key, v in points.items():

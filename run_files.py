@@ -39,26 +39,27 @@ class OutDirLock:
     """An exclusive lock on out_dir for as long as this object lives (flock on out_dir/.lock). The kernel
     drops an flock when its process ends, even by SIGKILL, so a dead run never leaves its folder locked."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, flag: str = "--out_dir", holder: str = "run"):
+        """flag names the option that chose the folder, holder what holds the lock, in the messages."""
         if not out_dir:
-            raise ConfigError("out_dir is empty; give the run a folder with --out_dir=PATH")
+            raise ConfigError(f"{flag[2:]} is empty; give the {holder} a folder with {flag}=PATH")
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise ConfigError(f"out_dir {out_dir!r} is a file, not a folder; choose another --out_dir")
+            raise ConfigError(f"{flag[2:]} {out_dir!r} is a file, not a folder; choose another {flag}")
         self.path = os.path.join(out_dir, LOCK_NAME)
         try:
             os.makedirs(out_dir, exist_ok=True)
             _probe_writable(out_dir)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ConfigError(f"cannot write to out_dir {out_dir!r} ({e.strerror}); choose a writable --out_dir"
+            raise ConfigError(f"cannot write to {flag[2:]} {out_dir!r} ({e.strerror}); choose a writable {flag}"
                               ) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
+            pid = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
-            raise ConfigError(f"out_dir {out_dir!r} is in use by another run (process {holder} holds {self.path}); "
-                              "wait for it to end, stop it, or choose another --out_dir") from None
+            raise ConfigError(f"{flag[2:]} {out_dir!r} is in use by another {holder} (process {pid} holds "
+                              f"{self.path}); wait for it to end, stop it, or choose another {flag}") from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"{os.getpid()}\n".encode())
 
@@ -142,8 +143,8 @@ def _temporary_file(tmp: str) -> Iterator[BinaryIO]:
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """Write path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
-    tmp = f"{path}.tmp"
+    """Write path.<pid>.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
+    tmp = f"{path}.{os.getpid()}.tmp"  # one per process: two writers never share a temporary file
     with _temporary_file(tmp) as f:
         f.write(data)
     os.replace(tmp, path)

@@ -46,6 +46,7 @@ or a result file that cannot be read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -60,8 +61,9 @@ from dataclasses import asdict
 
 import train
 from model import GPTConfig
-from plot import IGNORED_FLAGS, diverged_at, load_metrics
-from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, previous_run_files, write_atomically
+from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
+from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, OutDirLock, previous_run_files, write_atomically
+from train_config import ConfigError, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
@@ -192,11 +194,19 @@ def flag_values(argv: list[str]) -> dict[str, str]:
 
 def check_same_run(out_dir: str, argv: list[str]) -> None:
     """Refuse to skip or resume a run whose run.json records another command (another config or other
-    settings: another sweep's run), which would report its losses as this sweep's."""
+    settings: another sweep's run), which would report its losses as this sweep's. A run stopped before
+    its run.json was written (the sweep was stopped, or train.py was run by hand) is checked against
+    the settings its checkpoint saved instead, and refused if it has none."""
     stored = read_json(os.path.join(out_dir, "run.json")).get("argv")
-    if stored is None:  # stopped before its first run.json: nothing recorded to compare
-        return
-    mine, theirs = flag_values(argv), flag_values(stored)
+    if stored is not None:
+        mine, theirs = flag_values(argv), flag_values(stored)
+    else:
+        saved = run_config(out_dir)  # ckpt.pt's settings; None without it
+        if saved is None:
+            raise SweepError(f"{out_dir} holds a run with neither a run.json nor a checkpoint, so nothing says it "
+                             "is this sweep's; --rerun runs it again (its files are replaced), or move it away")
+        mine = {k: v for k, v in explicit_settings(argv).items() if k not in (*RESUME_FLAGS, "out_dir")}
+        theirs = {k: saved.get(k, "(unset)") for k in mine}
     differ = [f"{k}={mine.get(k, '(unset)')} here, {theirs.get(k, '(unset)')} there"
               for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)]
     if differ:
@@ -246,16 +256,17 @@ def read_json(path: str) -> dict:
     return data
 
 
-def summarize(out_dirs: list[str], extra: list[str] | None = None) -> list[dict]:
-    """One row per run: its grid values and seed, final losses, divergence, exit code, time, and the
-    `extra` metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis)."""
+def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[dict] | None = None) -> list[dict]:
+    """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
+    final losses, divergence, exit code, time, and the `extra` metrics of its last evaluation that logged them
+    (e.g. val_xy_loss, grad_kurtosis)."""
     rows = []
-    for out_dir in out_dirs:
+    for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
         info = read_json(os.path.join(out_dir, "run.json"))
         evals = [r for r in records if r.get("kind") == "eval"]
         ms = [r["ms_per_iter"] for r in records if r.get("kind") == "train" and "ms_per_iter" in r]
-        rows.append({"out_dir": out_dir, **info.get("point", {}),
+        rows.append({"out_dir": out_dir, **(points[i] if points else info.get("point", {})),
                      "train_loss": evals[-1].get("train_loss") if evals else None,
                      "val_loss": evals[-1].get("val_loss") if evals else None,
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
@@ -338,7 +349,7 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
     if dry_run:
         return []
     execute(pending, workers, threads)
-    rows = summarize([job["out_dir"] for job in todo], extra)
+    rows = summarize([job["out_dir"] for job in todo], extra, [job["point"] for job in todo])
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
                   f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
                   NO_VERDICT if baseline else None)
@@ -354,10 +365,22 @@ def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: lis
                         format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"]),
                         *([note] if note else [])])
     print("\n" + text)
+    write_summary_files(out_root, title, text, {"runs": rows, "grid_points": points})
+
+
+def write_summary_files(out_root: str, title: str, text: str, data: dict) -> None:
+    """out_root/summary.md (title, then text) and summary.json (title, then data). A summary of another sweep
+    there (another title: other grid values, rates or seeds) is first renamed to summary_<its time>.*, not lost."""
     os.makedirs(out_root, exist_ok=True)
-    write_atomically(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n".encode())
-    write_atomically(os.path.join(out_root, "summary.json"),
-                     json.dumps({"runs": rows, "grid_points": points}, indent=1).encode())
+    md, js = (os.path.join(out_root, f"summary.{ext}") for ext in ("md", "json"))
+    if os.path.exists(js) and read_json(js).get("title") != title:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(js)))
+        for path in (md, js):
+            if os.path.exists(path):
+                os.replace(path, path.replace("summary.", f"summary_{stamp}.", 1))
+        print(f"the summary of another sweep in {out_root} is kept as summary_{stamp}.md and .json")
+    write_atomically(md, f"# {title}\n\n{text}\n".encode())
+    write_atomically(js, json.dumps({"title": title, **data}, indent=1).encode())
 
 
 # ----------------------------------------------------------------------------- the verdict rule
@@ -452,6 +475,11 @@ def verdict(claimed: list[float], other: list[float], claim: str = "lower", pair
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
+def crashed(row: dict) -> bool:
+    """A run that ended with an error (a crash or a refused config) before it could train or diverge: not a result."""
+    return row["diverged_at"] is None and row["exit_code"] not in (0, 3, None)
+
+
 def final_loss(row: dict) -> float:
     """The run's final val loss for the verdict rule and the choice of rate: +inf if it diverged, crashed
     or ended without a finite loss."""
@@ -526,9 +554,8 @@ def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
         side = "lowest" if float(best) == numeric[0] else "highest"
         edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
     diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
-    crashed = list(dict.fromkeys(r[lr_key] for r in rows
-                                 if r["diverged_at"] is None and r["exit_code"] not in (0, 3, None)))
-    return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": crashed, "edge_warning": edge,
+    failed = list(dict.fromkeys(r[lr_key] for r in rows if crashed(r)))
+    return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": failed, "edge_warning": edge,
             "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key)}
 
 
@@ -540,7 +567,9 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     """Each grid point at its own best learning rate: every rate on the first `lr_seeds` seeds, the best kept
     (lowest mean final val loss over them; a diverged run ranks its rate last), the other seeds at that rate
     only. Returns one row per grid point."""
-    fixed = fixed or {}
+    fixed = dict(fixed or {})
+    if not str(fixed.get("seed", 0)).isdigit():
+        raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
     seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
     if not 1 <= lr_seeds <= len(seeds):
         raise SweepError(f"--lr_seeds {lr_seeds}: give 1 to the number of --seeds ({len(seeds)})")
@@ -560,7 +589,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             print(shlex.join(["python", "train.py", *job["argv"]]))
         return []
     execute(pending, workers, threads)
-    first_rows = summarize([job["out_dir"] for job in first], extra)
+    first_rows = summarize([job["out_dir"] for job in first], extra, [job["point"] for job in first])
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     choice = []
     for point in points:
@@ -571,7 +600,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, later,
                                  fixed, out_root, rerun, (lr_key, ratios))]
     execute([job for job in rest if job["state"] != "finished"], workers, threads)
-    rest_rows = summarize([job["out_dir"] for job in rest], extra)
+    rest_rows = summarize([job["out_dir"] for job in rest], extra, [job["point"] for job in rest])
     table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claim)
     write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
@@ -611,12 +640,15 @@ def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
 
 def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> str | None:
     """Why one point's learning-rate sweep cannot back a verdict (SPEC §9: at least MIN_RATES rates, the
-    best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can."""
-    rates = sorted({float(r[lr_key]) for r in first_runs})
+    best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can.
+    A rate whose run crashed gave no result (a diverged one did), so it counts neither as a rate nor as an edge."""
+    failed = sorted({float(r[lr_key]) for r in first_runs if crashed(r)})
+    rates = sorted({float(r[lr_key]) for r in first_runs} - set(failed))
     if best_lr is None:
         return "no rate trained: every rate of the grid diverged or crashed"
     if len(rates) < MIN_RATES:
-        return f"{len(rates)} rate{'s' * (len(rates) != 1)} in the grid; the rule needs {MIN_RATES}"
+        why = f" ({', '.join(f'{x:g}' for x in failed)} crashed: run the sweep again)" if failed else ""
+        return f"{len(rates)} rate{'s' * (len(rates) != 1)} in the grid with a result{why}; the rule needs {MIN_RATES}"
     if float(best_lr) in (rates[0], rates[-1]):
         return "best rate on the grid's edge"
     return None
@@ -678,7 +710,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
             f" ± {statistics.stdev(finite):.4f}" if len(finite) > 1 else "") + f" (n={len(finite)})"
         row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
                "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
-               "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": c["crashed_lrs"],
+               "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": ",".join(c["crashed_lrs"]) or None,
                "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
                "grid_shortfall": shortfall(c)}
         if base is not None and c is not base:
@@ -694,17 +726,14 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
     `recorded` (the sweep's setup, its settings and the keys it sweeps: what --leaderboard compares)."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
-    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "lr_sensitivity",
+    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
                      *(["verdict"] if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
     text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
     print("\n" + text)
-    os.makedirs(out_root, exist_ok=True)
-    write_atomically(os.path.join(out_root, "summary.md"), f"# {title}\n\n{text}\n".encode())
-    write_atomically(os.path.join(out_root, "summary.json"), json.dumps(
-        {"title": title, **recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table},
-        indent=1).encode())
+    write_summary_files(out_root, title, text,
+                        {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
 
 
 def val_loss_at(out_dir: str, iteration: int) -> float | None:
@@ -756,7 +785,37 @@ def read_lr_summary(root: str) -> dict:
             and all(isinstance(r, dict) and all(f in r for f in fields[1]) for r in runs)):
         raise SweepError(f"{path} is incomplete (no points, or a point or run without the fields a --lr_grid "
                          "sweep writes); run the sweep's command again to rewrite it")
+    wrong = summary_type_error(summary)
+    if wrong:
+        raise SweepError(f"{path}: {wrong}, not what a --lr_grid sweep writes (edited by hand?); run the sweep's "
+                         "command again to rewrite it")
     return summary
+
+
+def summary_type_error(summary: dict) -> str | None:
+    """The first value of an lr summary's points and runs whose type the leaderboard cannot read; None if none."""
+    def number(x: object) -> bool:
+        return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+    def rate(x: object) -> bool:
+        return x is not None and is_positive_number(str(x))
+
+    lr_key = summary["lr_key"]
+    for p in summary["lr_points"]:
+        if not (p["best_lr"] is None or rate(p["best_lr"])):
+            return f"best_lr {p['best_lr']!r} is not a learning rate"
+        if not number(p["val_loss_mean"]):
+            return f"val_loss_mean {p['val_loss_mean']!r} is not a number"
+        if not all(str(k).isdigit() and number(v) for k, v in p["seed_losses"].items()):
+            return f"seed_losses {p['seed_losses']!r} is not {{seed: loss}}"
+    for r in summary["runs"]:
+        if not (isinstance(r["seed"], int) and rate(r[lr_key]) and number(r["val_loss"]) and number(r.get("wall_s"))
+                and all(r[k] is None or isinstance(r[k], int) for k in ("diverged_at", "exit_code"))):
+            return f"the run {r.get('out_dir', r)} has a seed, {lr_key}, loss, time or exit code of the wrong type"
+    for key, kind in (("setup", dict), ("settings", dict), ("swept", list)):
+        if not isinstance(summary.get(key, kind()), kind):
+            return f"{key} is not a {kind.__name__}"
+    return None
 
 
 def setup_difference(summary: dict, base: dict) -> str | None:
@@ -873,20 +932,23 @@ def main(argv: list[str] | None = None) -> int:
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
         if both := {k for key in grid for k in key.split("+")} & {k for key in fixed for k in key.split("+")}:
             raise SweepError(f"{', '.join(sorted(both))} given by both --grid and --set; give each key once")
+        lr_keys, lr_values = args.lr_keys.split("+"), None
         if args.lr_grid:
-            lr_keys = args.lr_keys.split("+")
             if set(lr_keys) & {k for key in grid for k in key.split("+")}:
                 raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
             if not all(is_positive_number(v) for v in args.lr_grid.split(",")):
                 raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
             lr_values = distinct_values(args.lr_grid, "--lr_grid")
-            table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
-                                 args.threads_per_run, args.rerun, baseline or None, args.claim, args.dry_run, extra,
-                                 args.lr_seeds)
-            return int(any(row["crashed_lrs"] for row in table))
-        rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
-                         baseline or None, args.dry_run, extra)
-    except SweepError as e:
+        # one sweep at a time writes an out_root: its runs' logs and run.json files, its summary
+        with contextlib.nullcontext() if args.dry_run else OutDirLock(out_root, "--out_root", "sweep"):
+            if lr_values:
+                table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
+                                     args.threads_per_run, args.rerun, baseline or None, args.claim, args.dry_run,
+                                     extra, args.lr_seeds)
+                return int(any(row["crashed_lrs"] for row in table))
+            rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
+                             baseline or None, args.dry_run, extra)
+    except (SweepError, ConfigError, PlotError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -230,14 +230,19 @@ def parse_overrides(args: list[str]) -> dict:
     return overrides
 
 
-def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
-    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
+def explicit_settings(argv: list[str]) -> dict:
+    """argv = [config.py] [--key=value ...] -> the settings the config file and the flags give, each checked."""
     settings: dict = {}
     if argv and not argv[0].startswith("--"):
         settings.update(read_config_file(argv[0]))
         argv = argv[1:]
     settings.update(parse_overrides(argv))
-    settings = {k: check_value(k, v) for k, v in settings.items()}
+    return {k: check_value(k, v) for k, v in settings.items()}
+
+
+def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
+    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
+    settings = explicit_settings(argv)
     train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
     model_args = {k: v for k, v in settings.items() if k in MODEL_KEYS}
     check_train_config(train)
@@ -265,9 +270,12 @@ def check_train_config(cfg: TrainConfig) -> None:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
-                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite", "dual_lr"):
+                "grad_clip", "min_lr", "weight_decay", "skip_nonfinite", "dual_lr", "icl_noise_std"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
+    if cfg.task == "icl" and cfg.icl_pairs < cfg.icl_dim:  # icl_task.sample_well_conditioned
+        raise ConfigError(f"icl_pairs={cfg.icl_pairs} is below icl_dim={cfg.icl_dim}: with fewer pairs than "
+                          "dimensions every draw of X is rank deficient; give --icl_pairs of at least --icl_dim")
     if not cfg.learning_rate > 0:  # the schedule divides by it
         raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
     if cfg.matrix_lr is not None and not cfg.matrix_lr > 0:

@@ -65,6 +65,8 @@ def config_file(tmp_path, text: str) -> str:
     (lambda tmp: [f"--seed={2**64}"], r"seed=18446744073709551616 must lie in \[0, 2\*\*64\)"),
     (lambda tmp: ["--device=cpu:1"], r"device='cpu:1' is not valid; choose auto, cpu, cuda, cuda:N or mps"),
     (lambda tmp: ["--eval_interval=4", "--keep_every=3"], r"keep_every=3 must be a multiple of eval_interval=4"),
+    (lambda tmp: ["--task=icl", "--icl_pairs=3"], r"icl_pairs=3 is below icl_dim=5"),
+    (lambda tmp: ["--task=icl", "--icl_noise_std=-1"], r"icl_noise_std=-1\.0 must not be negative"),
 ])
 def test_bad_config_exits_2_with_one_line(monkeypatch, capsys, tmp_path, args, message):
     code, err = exit_code_and_error(monkeypatch, capsys, args(tmp_path))

@@ -5,12 +5,14 @@ implementation fails about once in 10^6 runs; all seeds are fixed, so runs are r
 """
 
 import math
+import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import icl_task
 from icl_task import (
     LeastSquaresTask,
     baseline_losses,
@@ -301,3 +303,14 @@ def test_task_metrics_are_finite_floats_for_a_forced_order():
     zero_loss = task.loss(ZeroModel(), task.train_batch(0, 0)).item()
     # 32 sequences: std sqrt(3.4 / 32) = 0.33 (see the icl_loss test), so 2.5 is over 5 sigma
     assert abs(zero_loss - D) < 2.5
+
+
+def test_the_demo_leaves_out_pair_counts_below_the_dimension(monkeypatch):
+    asked, draw, baselines = [], icl_task.get_batch, icl_task.baseline_losses
+    monkeypatch.setattr(icl_task, "leak_table", lambda n_seq, dim, counts, g: asked.append(counts) or {})
+    # fast stand-ins where 70 dimensions are slow: no redraws of X, the baselines on the first 3 pairs
+    monkeypatch.setattr(icl_task, "get_batch", lambda *a, **k: draw(*a, **k, kappa_max=None))
+    monkeypatch.setattr(icl_task, "baseline_losses", lambda batch: baselines(icl_task.get_batch(2, 3, dim=2)))
+    monkeypatch.setattr(sys, "argv", ["icl_task.py", "--dim", "70", "--n_pairs", "70", "--batch_size", "2"])
+    icl_task.main()  # 64 pairs cannot be drawn well conditioned in 70 dimensions
+    assert asked == [[70, 128]]

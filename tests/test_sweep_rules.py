@@ -4,12 +4,17 @@ runs and summaries: no training."""
 import json
 import math
 import os
+from dataclasses import asdict
 
 import pytest
+import torch
 from conftest import ROOT
 
 import plot
 import sweep
+import train
+from model import GPTConfig
+from run_files import OutDirLock
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 ICL = os.path.join(ROOT, "configs", "icl_small_lipschitz_muon.py")
@@ -20,9 +25,10 @@ SETUP = {"n_layer": 2, "n_embd": 16, "block_size": 32, "task": "lm", "data": "sh
 
 def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre") -> list[dict]:
     """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on seed 1,
-    2, ...]}} (None: diverged), picking each scheme's best rate on seed 1; returns the point table."""
-    rows = [{"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": x, "wall_s": 1.0,
-             "diverged_at": None if x is not None else 5, "exit_code": 0 if x is not None else 3}
+    2, ...]}} (None: diverged, "crash": crashed), picking each scheme's best rate on seed 1; returns the point table."""
+    outcome = {None: (5, 3), "crash": (None, 1)}  # loss -> (diverged_at, exit_code)
+    rows = [{"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": x if x not in outcome else None,
+             "wall_s": 1.0, "diverged_at": outcome.get(x, (None, 0))[0], "exit_code": outcome.get(x, (None, 0))[1]}
             for scheme, by_rate in losses.items() for lr, xs in by_rate.items() for seed, x in enumerate(xs, 1)]
     rates = list(dict.fromkeys(lr for by_rate in losses.values() for lr in by_rate))
     choice = [{"norm_scheme": scheme, **sweep.pick_best([r for r in rows if r["norm_scheme"] == scheme
@@ -49,6 +55,12 @@ def finished_run(out_dir, argv: list[str], max_iters: int = 4) -> None:
         f.write(json.dumps({"kind": "eval", "iter": max_iters, "train_loss": 2.0, "val_loss": 2.1}) + "\n")
     with open(os.path.join(out_dir, "run.json"), "w") as f:
         json.dump({"point": {"seed": 1}, "argv": argv, "exit_code": 0, "wall_s": 1.0}, f)
+
+
+def saved_settings(path, argv: list[str]) -> None:
+    """A checkpoint file holding only the settings train.py saves with the weights, as plot.run_config reads them."""
+    cfg, model_args = train.load_config(argv)
+    torch.save({"model_args": {**asdict(GPTConfig()), **model_args}, "config": asdict(cfg)}, path)
 
 
 def one_line_error(capsys, pattern: str) -> None:
@@ -83,6 +95,15 @@ def test_lr_table_gives_a_decisive_word_only_from_five_rates_and_a_best_inside_t
     short = {s: curve("1e-3", xs, RATES[1:4]) for s, xs in (("pre", [2.0, 2.02, 1.98]), ("post", [2.5, 2.52, 2.48]))}
     word = lr_sweep(tmp_path, short)[1]["verdict"]
     assert word.startswith("inconclusive at this scale") and "3 rates" in word
+
+
+def test_a_crashed_rate_is_not_a_result(tmp_path, capsys):
+    crashes = {**curve("1e-3", [2.5, 2.52, 2.48]), **{lr: ["crash"] for lr in ("1e-4", "3e-3", "1e-2")}}
+    table = lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": crashes})
+    assert table[1]["verdict"].startswith("inconclusive at this scale") and "0.0001, 0.003, 0.01 crashed" in \
+        table[1]["verdict"]  # two rates with a result: clearly apart, but not a comparison
+    assert table[1]["crashed_lrs"] == "1e-4,3e-3,1e-2" and "crashed_lrs" in capsys.readouterr().out
+    assert sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"})[1]["verdict"] == table[1]["verdict"]
 
 
 def test_an_arm_that_trains_at_no_rate_says_so_in_the_verdict_column(tmp_path):
@@ -139,9 +160,26 @@ def test_an_attempt_cut_off_before_its_first_checkpoint_starts_anew_and_a_stop_s
     (run / "metrics.jsonl").write_text('{"kind": "train", "iter": 0, "loss": 4.0}\n')
     [job] = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
     assert job["state"] == "new" and "--overwrite=True" in job["argv"]
-    (run / "ckpt_last.pt").write_bytes(b"")
+    saved_settings(run / "ckpt_last.pt", [CONFIG, "--max_iters=4", "--norm_scheme=pre", "--seed=1"])
     [job] = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
     assert job["state"] == "resume" and "--init_from=resume" in job["argv"]
+
+
+def test_a_run_without_run_json_is_checked_by_its_checkpoint(tmp_path):
+    """A sweep stopped while its runs trained leaves no run.json: the checkpoint's settings say whose run it is."""
+    run = tmp_path / "norm_scheme=pre,seed=1"
+    finished_run(run, [])
+    os.remove(run / "run.json")
+    with pytest.raises(sweep.SweepError, match="neither a run.json nor a checkpoint"):
+        sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
+    saved_settings(run / "ckpt.pt", [CONFIG, "--max_iters=4", "--norm_scheme=post", "--seed=1"])
+    with pytest.raises(sweep.SweepError, match="another sweep .*norm_scheme=pre here, post there"):
+        sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
+    saved_settings(run / "ckpt.pt", [CONFIG, "--max_iters=4", "--norm_scheme=pre", "--seed=1"])
+    [job] = sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4"}, str(tmp_path))
+    assert job["state"] == "finished"
+    [row] = sweep.summarize([job["out_dir"]], points=[job["point"]])
+    assert row["norm_scheme"] == "pre" and row["seed"] == 1  # the grid values from the job, not a run.json
 
 
 @pytest.mark.parametrize("content", ['{"runs": [', '{"lr_points": []}', "[1, 2]"])
@@ -151,6 +189,57 @@ def test_a_cut_off_or_empty_summary_exits_2_naming_the_file(tmp_path, capsys, co
     one_line_error(capsys, "summary.json")
     assert plot.main([str(tmp_path), "--lr_sweep", "--out", str(tmp_path / "lr.png")]) == 2
     one_line_error(capsys, "summary.json")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s["lr_points"][0]["seed_losses"].update({"1": "abc"}),
+    lambda s: s["lr_points"][0]["seed_losses"].update({"x": 2.0}),
+    lambda s: s["lr_points"][0].update(best_lr="fast"),
+    lambda s: s["lr_points"][0].update(val_loss_mean="2.0"),
+    lambda s: s["runs"][0].update(learning_rate="fast"),
+    lambda s: s["runs"][0].update(seed="one"),
+    lambda s: s["runs"][0].update(wall_s="1 s"),
+    lambda s: s.update(setup=[1]),
+    lambda s: s.update(swept=3),
+])
+def test_a_summary_edited_into_other_types_exits_2(tmp_path, capsys, edit):
+    lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("1e-3", [2.5, 2.52, 2.48])})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    edit(summary)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    assert sweep.main(["--leaderboard", str(tmp_path), "--baseline", "norm_scheme=pre"]) == 2
+    one_line_error(capsys, "summary.json: ")
+
+
+def test_metrics_edited_by_hand_are_read_around(tmp_path):
+    lines = ['{"kind": "eval", "iter": 4, "val_loss": 2.0, "block_rms": [1.0, 2.0]}', "5", '"text"',
+             '{"kind": "status", "status": "diverged"}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    records = plot.load_metrics(str(tmp_path))
+    assert len(records) == 2 and plot.diverged_at(records) is None  # a status without its iteration says nothing
+    assert plot.curves(records, "block_rms[-2]", "iter", False) == {"": ([4], [1.0])}
+    with pytest.raises(plot.PlotError, match=r"block_rms\[9\]: the run logged block_rms for 2 blocks"):
+        plot.curves(records, "block_rms[9]", "iter", False)
+
+
+def test_a_second_sweep_on_the_same_out_root_is_refused(tmp_path, capsys):
+    with OutDirLock(str(tmp_path), "--out_root", "sweep"):  # as a sweep running there holds it
+        assert sweep.main([CONFIG, "--grid", "norm_scheme=pre", "--set", "max_iters=4", "--out_root",
+                           str(tmp_path)]) == 2
+    one_line_error(capsys, "is in use by another sweep")
+    assert sorted(os.listdir(tmp_path)) == [".lock"]  # no run folder, log or summary touched
+
+
+def test_another_sweeps_summary_is_kept(tmp_path, capsys):
+    sweep.write_summary_files(str(tmp_path), "sweep A", "table A", {})
+    sweep.write_summary_files(str(tmp_path), "sweep A", "table A again", {})  # the same sweep: replaced
+    assert sorted(os.listdir(tmp_path)) == ["summary.json", "summary.md"]
+    sweep.write_summary_files(str(tmp_path), "sweep B", "table B", {})
+    kept = sorted(f for f in os.listdir(tmp_path) if f.startswith("summary_"))
+    assert len(kept) == 2 and "table A again" in (tmp_path / kept[1]).read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["title"] == "sweep B"
+    assert "kept as summary_" in capsys.readouterr().out
 
 
 def test_a_cut_off_run_json_stops_the_sweep_with_one_line(tmp_path, capsys):
