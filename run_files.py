@@ -272,6 +272,14 @@ def _read_checkpoint(path: str, f, device: str) -> dict:
 # ----------------------------------------------------------------------------- metrics
 
 
+def foreign_checkpoint(out_dir: str, error: Exception) -> ConfigError:
+    """The error for a checkpoint whose checksum holds but whose contents this code cannot use."""
+    what = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    return ConfigError(f"the checkpoint in {out_dir} does not fit this version of nanoNorm ({type(error).__name__}: "
+                       f"{what}): it was written by another version or changed after it was saved; use the version "
+                       "that wrote it, or start a new run (--overwrite=True, or another --out_dir)")
+
+
 def strict_json(value):
     """`value` with every non-finite float replaced by None: JSON has no NaN or Infinity."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -285,11 +293,17 @@ def strict_json(value):
 
 class MetricsLog:
     """metrics.jsonl: one JSON object per line, non-finite numbers as null. A fresh run starts it anew,
-    a resumed run drops the lines past its checkpoint (and a line cut short by a kill)."""
+    a resumed run drops the lines past its checkpoint (and a line cut short by a kill), and the evaluation
+    at its checkpoint's iteration if it evaluates there again (`reevaluates`)."""
 
-    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None):
+    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None,
+                 reevaluates: bool = True):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, METRICS_NAME), enabled, wandb_run
         self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
+        if enabled and resume_iter and not os.path.lexists(self.path):
+            raise ConfigError(f"{self.path} is missing, so the resumed run's log would start at iter {resume_iter} "
+                              f"without its history; restore it, or create an empty one (touch {self.path}) to go "
+                              "on without it")
         if not enabled or not os.path.exists(self.path):
             return
         if resume_iter is None:
@@ -297,7 +311,7 @@ class MetricsLog:
             return
         try:
             with open(self.path, "rb") as f:
-                kept = [line for line in f if self._before_resume(line, resume_iter)]
+                kept = [line for line in f if self._before_resume(line, resume_iter, reevaluates)]
             with open(self.path + ".tmp", "wb") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
@@ -306,9 +320,10 @@ class MetricsLog:
                               "aside or fix its permissions") from None
 
     @staticmethod
-    def _before_resume(line: bytes, resume_iter: int) -> bool:
-        """Keep the lines before the resumed iteration; a line that is not a JSON object with an integer iter
-        (cut short by a kill mid-write, or corrupted) goes too."""
+    def _before_resume(line: bytes, resume_iter: int, reevaluates: bool = True) -> bool:
+        """Keep the lines before the resumed iteration, and its train line (and its evaluation unless the
+        resumed run evaluates there again); a line that is not a JSON object with an integer iter (cut short
+        by a kill mid-write, or corrupted) goes too."""
         try:
             record = json.loads(line)
         except ValueError:  # not JSON, or not UTF-8
@@ -316,8 +331,8 @@ class MetricsLog:
         it = record.get("iter", 0) if isinstance(record, dict) else None
         if not isinstance(it, int) or isinstance(it, bool):
             return False
-        # the resumed run re-logs the evaluation at resume_iter and everything after it
-        return it < resume_iter or (it == resume_iter and record.get("kind") == "train")
+        kept_there = ("train",) if reevaluates else ("train", "eval")  # the resumed run logs the rest again
+        return it < resume_iter or (it == resume_iter and record.get("kind") in kept_there)
 
     def write(self, **record) -> None:
         if not self.enabled:

@@ -17,7 +17,7 @@ import torch
 
 import prepare_data
 from model import GPT, GPTConfig
-from run_files import load_checkpoint
+from run_files import foreign_checkpoint, load_checkpoint
 from train_config import ConfigError, check_device
 
 
@@ -70,9 +70,13 @@ def load_model(out_dir: str, device: str) -> tuple[GPT, prepare_data.Tokenizer]:
     checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
     if "data_meta" not in checkpoint:
         raise ConfigError("this checkpoint has no tokenizer (it was trained on a vector task, not text)")
-    model = GPT(GPTConfig(**checkpoint["model_args"]))
-    model.load_state_dict(checkpoint["model"])
-    return model.to(device).eval(), prepare_data.tokenizer_from_meta(checkpoint["data_meta"])
+    try:  # a checkpoint whose checksum holds, from another version of the code
+        model = GPT(GPTConfig(**checkpoint["model_args"]))
+        model.load_state_dict(checkpoint["model"])
+        tokenizer = prepare_data.tokenizer_from_meta(checkpoint["data_meta"])
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        raise foreign_checkpoint(out_dir, e) from None
+    return model.to(device).eval(), tokenizer
 
 
 def main(argv: list[str]) -> int:

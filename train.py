@@ -71,6 +71,7 @@ from run_files import (
     METRICS_NAME,
     MetricsLog,
     OutDirLock,
+    foreign_checkpoint,
     load_checkpoint,
     previous_run_files,
     remove_previous_run,
@@ -84,6 +85,7 @@ EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
 EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
 TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
 NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
+SAMPLE_CHUNK = 64  # tokens of the final sample drawn between checks for a stop signal
 GRAD_HIST_LOG10_EDGES = list(range(-12, 1))  # |g| histogram: <1e-12, [1e-12, 1e-11), ..., >=1
 
 
@@ -285,8 +287,10 @@ def prepare_embedded(dataset: str, data_dir: str) -> None:
     tokenizer = "char" if dataset.endswith("_char") else "gpt2"
     try:
         prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=data_dir)
-    except FileExistsError:  # a run started alongside made it meanwhile
-        pass
+    except FileExistsError:  # a run started alongside made it meanwhile, or a file stands on the way
+        if not os.path.isdir(path):
+            raise ConfigError(f"cannot prepare {dataset} in {path}: {data_dir} or a folder above it is a file; "
+                              "give a --data_dir that is a folder") from None
     except OSError as e:
         raise ConfigError(f"cannot prepare {dataset} in {path} ({e.strerror or e}); give a writable --data_dir "
                           "(the embedded dataset is prepared there on first use)") from None
@@ -487,6 +491,8 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         gptconf = GPTConfig(**model_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    except TypeError as e:  # a key GPTConfig lacks: the checkpoint's (the config's keys are checked)
+        raise foreign_checkpoint(cfg.out_dir, e) from None
     if cfg.task == "lm" and gptconf.vocab_size < task.data.vocab_size:
         raise ConfigError(f"vocab_size={gptconf.vocab_size} is smaller than the dataset's vocabulary of "
                           f"{task.data.vocab_size} tokens; drop --vocab_size (the data sets it) or raise it")
@@ -496,7 +502,10 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
     torch.manual_seed(cfg.seed)  # the same init on every rank
     model = GPT(gptconf).to(device)
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
+        try:
+            model.load_state_dict(checkpoint["model"])
+        except RuntimeError as e:  # missing, extra or misshapen weights
+            raise foreign_checkpoint(cfg.out_dir, e) from None
     try:
         optimizer = optim.build_optimizer(
             model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -510,7 +519,10 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         raise ConfigError(f"optimizer {cfg.optimizer}: {e}") from None
     if checkpoint is not None and not cfg.eval_only:  # evaluation needs no optimizer state
         settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        try:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:  # groups or state that do not match the parameters
+            raise foreign_checkpoint(cfg.out_dir, e) from None
         for group, fresh in zip(optimizer.param_groups, settings, strict=True):
             group.update(fresh)  # the config's hyperparameters win over the checkpoint's
     return gptconf, model, optimizer
@@ -718,6 +730,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None)
 
     start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
+    # a stop save at an evaluation iteration precedes its evaluation: the resumed run evaluates and saves it
+    start_evaluated = checkpoint is None or checkpoint.get("evaluated", True)
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # batches whose update was dropped
     best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
     wandb_run = None
@@ -729,7 +743,9 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run)
+    evaluates_first = iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters  # so it logs that again
+    log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run,
+                     evaluates_first)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size
@@ -745,11 +761,13 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                   f"(saved by {checkpoint['world_size']} process(es))"
                   + (f"; changed: {', '.join(changed)}" if changed else ""))
 
-    def checkpoint_state() -> dict:
+    def checkpoint_state(evaluated: bool = True) -> dict:
+        """evaluated: saved after the evaluation at iter_num (a stop save may come before it)."""
         return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val,
                 "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
-                "skipped_steps": skipped, **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
+                "skipped_steps": skipped, "evaluated": evaluated,
+                **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
 
     # the first iteration with a non-finite training loss, kept on the device: no sync per step
     first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
@@ -779,7 +797,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                                                        if isinstance(v, float)))
                 improved = metrics["val_loss"] < best_val
                 best_val = min(best_val, metrics["val_loss"])
-                if iter_num > start_iter and not cfg.eval_only and finite:
+                if (iter_num > start_iter or not start_evaluated) and not cfg.eval_only and finite:
                     save_evaluated(cfg, iter_num, checkpoint_state, cfg.always_save_checkpoint or improved)
                 log.write(kind="eval", iter=iter_num, **metrics)  # after the save: a logged eval has its checkpoint
             t_last = time.perf_counter()  # evaluation time is not training time
@@ -837,10 +855,11 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                           **({"skipped": skipped} if cfg.skip_nonfinite else {}))
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
             keep = eval_finite and not nonfinite_state(raw_model, optimizer)
-            return stop_with_checkpoint(log, ddp, stop, iter_num, checkpoint_state() if keep else None, cfg)
+            state = checkpoint_state(evaluated=False) if keep else None
+            return stop_with_checkpoint(log, ddp, stop, iter_num, state, cfg)
 
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
-        print_sample(raw_model, task.data.meta, cfg.sample_tokens, device)
+        print_sample(raw_model, task.data.meta, cfg.sample_tokens, device, stop)
     return 0
 
 
@@ -872,16 +891,20 @@ def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteratio
     return EXIT_STOPPED
 
 
-def print_sample(model: GPT, meta: dict, n_tokens: int, device: str) -> None:
+def print_sample(model: GPT, meta: dict, n_tokens: int, device: str, stop: StopSignals | None = None) -> None:
+    """n_tokens of text after a newline, drawn in chunks: a stop signal ends it early (the training is saved)."""
     tokenizer = prepare_data.tokenizer_from_meta(meta)
     try:
         start = tokenizer.encode("\n")
     except ValueError:  # a vocabulary without a newline: the end-of-text token, or else id 0
         start = [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
-    start = torch.tensor([start], device=device)
-    out = model.generate(start, n_tokens, temperature=0.8, top_k=200, generator=torch.Generator(device).manual_seed(0),
-                         vocab_limit=tokenizer.vocab_size)
-    print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40)
+    out = torch.tensor([start], device=device)
+    generator, end = torch.Generator(device).manual_seed(0), out.shape[1] + n_tokens
+    while out.shape[1] < end and not (stop and stop.received):  # the same tokens as one call: one generator
+        out = model.generate(out, min(SAMPLE_CHUNK, end - out.shape[1]), temperature=0.8, top_k=200,
+                             generator=generator, vocab_limit=tokenizer.vocab_size)
+    cut = f" (cut short by {stop.received})" if stop and stop.received else ""
+    print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40 + cut)
 
 
 def main() -> None:

@@ -193,6 +193,8 @@ def check_value(name: str, value: object) -> object:
             value = math.inf
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{name}' expects a finite number, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        raise ConfigError(f"config key '{name}' expects a number below 2**63, got {value}")
     return value
 
 
@@ -226,6 +228,10 @@ def parse_overrides(args: list[str]) -> dict:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
             value = text  # a bare word is a string: --norm_scheme=geonorm; so is a value Python cannot build
+        if key in TRAIN_KEYS or key in MODEL_KEYS:
+            allowed = _expected_types(key)
+            if str in allowed and not isinstance(value, allowed):
+                value = text  # a text key keeps the text as written: --out_dir=2024, --wandb_run_name=1e-3
         overrides[key] = value
     return overrides
 
@@ -280,8 +286,8 @@ def check_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"learning_rate={cfg.learning_rate} must be positive")
     if cfg.matrix_lr is not None and not cfg.matrix_lr > 0:
         raise ConfigError(f"matrix_lr={cfg.matrix_lr} must be positive, or None for the optimizer's default")
-    if not 0 <= cfg.seed < 2**64:  # torch.manual_seed's range
-        raise ConfigError(f"seed={cfg.seed} must lie in [0, 2**64)")
+    if not 0 <= cfg.seed < 2**32:  # the data and dropout streams hash it as one 32-bit word (train.stream_seed)
+        raise ConfigError(f"seed={cfg.seed} must lie in [0, 2**32)")
     if cfg.keep_every % cfg.eval_interval:  # checkpoints are written at evaluations only
         raise ConfigError(f"keep_every={cfg.keep_every} must be a multiple of eval_interval={cfg.eval_interval}, "
                           "where checkpoints are written")

@@ -61,8 +61,9 @@ def config_file(tmp_path, text: str) -> str:
     (lambda tmp: ["--optimizer=manifold_muon", "--dual_steps=0"], r"dual_steps=0 must be at least 1"),
     (lambda tmp: ["--optimizer=manifold_muon", "--msign_steps=0"], r"msign_steps=0 must be at least 1"),
     (lambda tmp: ["--optimizer=manifold_muon", "--dual_lr=-0.1"], r"dual_lr=-0\.1 must not be negative"),
-    (lambda tmp: ["--seed=-1"], r"seed=-1 must lie in \[0, 2\*\*64\)"),
-    (lambda tmp: [f"--seed={2**64}"], r"seed=18446744073709551616 must lie in \[0, 2\*\*64\)"),
+    (lambda tmp: ["--seed=-1"], r"seed=-1 must lie in \[0, 2\*\*32\)"),
+    (lambda tmp: [f"--seed={2**32}"], r"seed=4294967296 must lie in \[0, 2\*\*32\)"),  # 2**32 + 1 would alias 1
+    (lambda tmp: [f"--gradient_accumulation_steps={2**63}"], r"'gradient_accumulation_steps' expects a number below"),
     (lambda tmp: ["--device=cpu:1"], r"device='cpu:1' is not valid; choose auto, cpu, cuda, cuda:N or mps"),
     (lambda tmp: ["--eval_interval=4", "--keep_every=3"], r"keep_every=3 must be a multiple of eval_interval=4"),
     (lambda tmp: ["--task=icl", "--icl_pairs=3"], r"icl_pairs=3 is below icl_dim=5"),
@@ -72,6 +73,11 @@ def test_bad_config_exits_2_with_one_line(monkeypatch, capsys, tmp_path, args, m
     code, err = exit_code_and_error(monkeypatch, capsys, args(tmp_path))
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
+
+
+def test_a_text_key_keeps_its_text_as_written():
+    cfg, _ = train.load_config(["--out_dir=2024", "--wandb_run_name=1e-3", "--norm_scheme=pre"])
+    assert (cfg.out_dir, cfg.wandb_run_name) == ("2024", "1e-3")  # not 2024 (int) refused, nor 0.001
 
 
 def test_a_device_this_machine_lacks_is_refused(monkeypatch, capsys):

@@ -288,6 +288,63 @@ def test_unreadable_checkpoint_is_refused_and_left_alone(data_dir, tmp_path, wri
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.fixture(scope="module")
+def six_iter_run(data_dir, tmp_path_factory) -> str:
+    """A finished run evaluated at 0, 4 and 6 (its last iteration, off the interval of 4)."""
+    out = str(tmp_path_factory.mktemp("six") / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=6)) == 0
+    return out
+
+
+def with_extra_model_key(state: dict) -> None:
+    state["model_args"]["norm_flavour"] = "new"  # a key of another version's GPTConfig
+
+
+def without_a_weight(state: dict) -> None:
+    del state["model"][next(iter(state["model"]))]
+
+
+def without_its_vocabulary(state: dict) -> None:
+    del state["data_meta"]["chars"]
+
+
+@pytest.mark.parametrize("edit", [with_extra_model_key, without_a_weight, without_its_vocabulary])
+def test_a_checkpoint_of_another_version_is_refused_by_train_and_sample(six_iter_run, data_dir, tmp_path, edit):
+    """Saved with its checksum, so only its contents tell: exit 2 (ConfigError), the folder unchanged."""
+    import sample
+
+    out = tmp_path / "run"
+    shutil.copytree(six_iter_run, out)
+    state = run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")
+    edit(state)
+    run_files.save_checkpoint(str(out / "ckpt.pt"), state)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if edit is not without_its_vocabulary:  # train.py checks the data's vocabulary against its own
+        with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
+            train.train(tiny_run_args(data_dir, str(out), max_iters=8, init_from="resume"))
+    with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
+        sample.load_model(str(out), "cpu")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_without_metrics_is_refused(six_iter_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(six_iter_run, out)
+    os.remove(out / "metrics.jsonl")
+    with pytest.raises(train.ConfigError, match="metrics.jsonl is missing.*touch"):
+        train.train(tiny_run_args(data_dir, str(out), max_iters=8, init_from="resume"))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_resume_past_a_final_evaluation_off_the_interval_keeps_it(six_iter_run, data_dir, tmp_path):
+    """On from 6 to 10: 6 is no multiple of eval_interval, so the resumed run does not evaluate it again and
+    its logged evaluation stays."""
+    out = str(tmp_path / "run")
+    shutil.copytree(six_iter_run, out)
+    assert train.train(tiny_run_args(data_dir, out, max_iters=10, init_from="resume")) == 0
+    assert [r["iter"] for r in read_metrics(out) if r["kind"] == "eval"] == [0, 4, 6, 8, 10]
+
+
 # ----------------------------------------------------------------------------- divergence
 
 
@@ -451,6 +508,35 @@ def test_a_stop_signal_saves_the_last_completed_iteration_and_resumes_exactly(da
         a, b = load(straight_run), load(out)
         for key in ("model", "optimizer"):
             assert_same_tensors(a[key], b[key])
+
+
+def test_a_stop_at_an_evaluation_iteration_resumes_into_its_saves(data_dir, tmp_path, monkeypatch):
+    """The signal comes during iteration 3, so the run stops at 4 before evaluating it (ckpt_last.pt). The
+    resumed run evaluates 4 and saves there as an uninterrupted run does: ckpt_4.pt, and ckpt.pt at the best
+    evaluation, which replaces ckpt_last.pt. (That the losses are the uninterrupted run's is tested above.)"""
+    settings = {**STOP_SETTINGS, "keep_every": 4, "always_save_checkpoint": False}
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(train, "forward_backward", signal_during(3, signal.SIGTERM))
+    assert train.train(tiny_run_args(data_dir, out, **settings)) == train.EXIT_STOPPED
+    monkeypatch.undo()
+    assert load(out, "ckpt_last.pt")["iter_num"] == 4 and not os.path.exists(os.path.join(out, "ckpt_4.pt"))
+    assert train.train(tiny_run_args(data_dir, out, **settings, init_from="resume")) == 0
+    assert sorted(f for f in os.listdir(out) if f.endswith(".pt")) == ["ckpt.pt", "ckpt_4.pt", "ckpt_8.pt"]
+    evals = {r["iter"]: r["val_loss"] for r in read_metrics(out) if r["kind"] == "eval" and r["iter"] > 0}
+    assert load(out)["iter_num"] == min(evals, key=evals.get) and load(out, "ckpt_4.pt")["iter_num"] == 4
+
+
+def test_a_stop_signal_cuts_the_final_sample_short(data_dir, tmp_path, monkeypatch, capsys):
+    generate, calls = train.GPT.generate, []
+
+    def signalled(self, idx, n, **kwargs):
+        calls.append(n)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, idx, n, **kwargs)
+
+    monkeypatch.setattr(train.GPT, "generate", signalled)
+    assert train.train(tiny_run_args(data_dir, str(tmp_path / "run"), max_iters=0, sample_tokens=1000)) == 0
+    assert calls == [train.SAMPLE_CHUNK] and "(cut short by SIGTERM)" in capsys.readouterr().out
 
 
 def test_a_second_sigint_stops_at_once(data_dir, tmp_path, monkeypatch, capsys):
