@@ -288,63 +288,6 @@ def test_unreadable_checkpoint_is_refused_and_left_alone(data_dir, tmp_path, wri
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-@pytest.fixture(scope="module")
-def six_iter_run(data_dir, tmp_path_factory) -> str:
-    """A finished run evaluated at 0, 4 and 6 (its last iteration, off the interval of 4)."""
-    out = str(tmp_path_factory.mktemp("six") / "run")
-    assert train.train(tiny_run_args(data_dir, out, max_iters=6)) == 0
-    return out
-
-
-def with_extra_model_key(state: dict) -> None:
-    state["model_args"]["norm_flavour"] = "new"  # a key of another version's GPTConfig
-
-
-def without_a_weight(state: dict) -> None:
-    del state["model"][next(iter(state["model"]))]
-
-
-def without_its_vocabulary(state: dict) -> None:
-    del state["data_meta"]["chars"]
-
-
-@pytest.mark.parametrize("edit", [with_extra_model_key, without_a_weight, without_its_vocabulary])
-def test_a_checkpoint_of_another_version_is_refused_by_train_and_sample(six_iter_run, data_dir, tmp_path, edit):
-    """Saved with its checksum, so only its contents tell: exit 2 (ConfigError), the folder unchanged."""
-    import sample
-
-    out = tmp_path / "run"
-    shutil.copytree(six_iter_run, out)
-    state = run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")
-    edit(state)
-    run_files.save_checkpoint(str(out / "ckpt.pt"), state)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    if edit is not without_its_vocabulary:  # train.py checks the data's vocabulary against its own
-        with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
-            train.train(tiny_run_args(data_dir, str(out), max_iters=8, init_from="resume"))
-    with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
-        sample.load_model(str(out), "cpu")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-
-
-def test_resume_without_metrics_is_refused(six_iter_run, data_dir, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(six_iter_run, out)
-    os.remove(out / "metrics.jsonl")
-    with pytest.raises(train.ConfigError, match="metrics.jsonl is missing.*touch"):
-        train.train(tiny_run_args(data_dir, str(out), max_iters=8, init_from="resume"))
-    assert not (out / "metrics.jsonl").exists()
-
-
-def test_resume_past_a_final_evaluation_off_the_interval_keeps_it(six_iter_run, data_dir, tmp_path):
-    """On from 6 to 10: 6 is no multiple of eval_interval, so the resumed run does not evaluate it again and
-    its logged evaluation stays."""
-    out = str(tmp_path / "run")
-    shutil.copytree(six_iter_run, out)
-    assert train.train(tiny_run_args(data_dir, out, max_iters=10, init_from="resume")) == 0
-    assert [r["iter"] for r in read_metrics(out) if r["kind"] == "eval"] == [0, 4, 6, 8, 10]
-
-
 # ----------------------------------------------------------------------------- divergence
 
 
@@ -551,6 +494,55 @@ def test_a_second_sigint_stops_at_once(data_dir, tmp_path, monkeypatch, capsys):
                                             "current iteration\n")
     assert load(out)["iter_num"] == 4  # the last evaluation's
     assert signal.getsignal(signal.SIGINT) is handler  # the run's handlers are gone with it
+
+
+def with_extra_model_key(state: dict) -> None:
+    state["model_args"]["norm_flavour"] = "new"  # a key of another version's GPTConfig
+
+
+def without_a_weight(state: dict) -> None:
+    del state["model"][next(iter(state["model"]))]
+
+
+def without_its_vocabulary(state: dict) -> None:
+    del state["data_meta"]["chars"]
+
+
+@pytest.mark.parametrize("edit", [with_extra_model_key, without_a_weight, without_its_vocabulary])
+def test_a_checkpoint_of_another_version_is_refused_by_train_and_sample(straight_run, data_dir, tmp_path, edit):
+    """Saved with its checksum, so only its contents tell: exit 2 (ConfigError), the folder unchanged."""
+    import sample
+
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    state = run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")
+    edit(state)
+    run_files.save_checkpoint(str(out / "ckpt.pt"), state)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    if edit is not without_its_vocabulary:  # train.py checks the data's vocabulary against its own
+        with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
+            train.train(tiny_run_args(data_dir, str(out), **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume"))
+    with pytest.raises(train.ConfigError, match="does not fit this version of nanoNorm"):
+        sample.load_model(str(out), "cpu")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resume_without_metrics_is_refused(straight_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    os.remove(out / "metrics.jsonl")
+    with pytest.raises(train.ConfigError, match="metrics.jsonl is missing.*touch"):
+        train.train(tiny_run_args(data_dir, str(out), **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume"))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_resume_past_a_final_evaluation_off_the_interval_keeps_it(straight_run, data_dir, tmp_path):
+    """On from 10 to 12: 10 is no multiple of eval_interval, so the resumed run does not evaluate it again and
+    its logged evaluation stays."""
+    out = str(tmp_path / "run")
+    shutil.copytree(straight_run, out)
+    assert train.train(tiny_run_args(data_dir, out, **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume")) == 0
+    assert [r["iter"] for r in read_metrics(out) if r["kind"] == "eval"] == [0, 4, 8, 10, 12]
 
 
 # ----------------------------------------------------------------------------- stalled ranks
