@@ -500,7 +500,13 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         raise ConfigError(f"log_geonorm_angles needs GeoNorm's geodesic step (norm_scheme='geonorm' or "
                           f"combine='geodesic'); this model combines by {gptconf.scheme.combine!r}")
     torch.manual_seed(cfg.seed)  # the same init on every rank
-    model = GPT(gptconf).to(device)
+    try:
+        model = GPT(gptconf).to(device)
+    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, an allocator's RuntimeError on the CPU
+        if "out of memory" not in str(e) and "allocate" not in str(e):
+            raise
+        raise ConfigError(f"the model (n_layer={gptconf.n_layer}, n_embd={gptconf.n_embd}, vocab_size="
+                          f"{gptconf.vocab_size}) does not fit in {device}'s memory; make it smaller") from None
     if checkpoint is not None:
         try:
             model.load_state_dict(checkpoint["model"])

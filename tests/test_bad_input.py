@@ -97,6 +97,15 @@ def test_out_dir_that_cannot_hold_a_run_exits_2(monkeypatch, capsys, data_dir, t
     assert code == 2 and re.search(message, err), err
 
 
+def test_a_model_too_big_for_memory_exits_2(monkeypatch, capsys, data_dir, tmp_path):
+    def allocator_fails(self, config):  # what torch's CPU allocator raises for --n_embd=100000
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(train.GPT, "__init__", allocator_fails)
+    code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run")))
+    assert code == 2 and "does not fit in cpu's memory; make it smaller" in err and err.count("\n") == 1
+
+
 def test_vocab_size_below_the_data_exits_2(monkeypatch, capsys, data_dir, tmp_path):
     code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), vocab_size=10))
     assert code == 2 and "vocab_size=10 is smaller than the dataset's vocabulary of" in err, err
