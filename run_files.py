@@ -269,15 +269,15 @@ def _read_checkpoint(path: str, f, device: str) -> dict:
     return state
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
 def foreign_checkpoint(out_dir: str, error: Exception) -> ConfigError:
     """The error for a checkpoint whose checksum holds but whose contents this code cannot use."""
     what = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
     return ConfigError(f"the checkpoint in {out_dir} does not fit this version of nanoNorm ({type(error).__name__}: "
                        f"{what}): it was written by another version or changed after it was saved; use the version "
                        "that wrote it, or start a new run (--overwrite=True, or another --out_dir)")
+
+
+# ----------------------------------------------------------------------------- metrics
 
 
 def strict_json(value):
