@@ -749,9 +749,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    evaluates_first = iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters  # so it logs that again
     log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run,
-                     evaluates_first)
+                     reevaluates=evaluates_at(cfg, iter_num))  # then the log's line for it goes: it is written again
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size
@@ -780,7 +779,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     t_last, iters_since_log = time.perf_counter(), 0
     eval_iter, eval_skipped, eval_finite = iter_num, skipped, True  # the last evaluation's, for the next one
     while True:
-        if iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters or cfg.eval_only:
+        if evaluates_at(cfg, iter_num):
             metrics = evaluate(model, raw_model, task, ddp, autocast)
             # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
             finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())
@@ -867,6 +866,11 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device, stop)
     return 0
+
+
+def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether the loop evaluates at `iteration`: every eval_interval, at the end, and only there when eval_only."""
+    return iteration % cfg.eval_interval == 0 or iteration >= cfg.max_iters or cfg.eval_only
 
 
 def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state, latest: bool) -> None:
