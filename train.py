@@ -667,7 +667,7 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     path = checkpoint_to_load(cfg)
     if path is not None:
         try:
-            return load_checkpoint(path, device)
+            return checked_contents(load_checkpoint(path, device), cfg.out_dir)
         except ConfigError as e:
             if os.path.basename(path) != LAST_CHECKPOINT_NAME:
                 raise
@@ -685,6 +685,18 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
         raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and a new run "
                           "deletes files only; move it away or choose another --out_dir")
     return None
+
+
+CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "model_args": dict, "config": dict, "iter_num": int,
+                     "best_val_loss": float}  # what a resumed or eval-only run reads, and its type
+
+
+def checked_contents(checkpoint: dict, out_dir: str) -> dict:
+    """The checkpoint, if it holds every field a resumed or eval-only run reads (checked before anything is built)."""
+    wrong = [k for k, kind in CHECKPOINT_FIELDS.items() if not isinstance(checkpoint.get(k), kind)]
+    if wrong:
+        raise foreign_checkpoint(out_dir, KeyError(f"{', '.join(wrong)} missing or of another type"))
+    return checkpoint
 
 
 def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None) -> tuple[TrainConfig, dict]:

@@ -4,6 +4,7 @@ unreadable file changes nothing, a diverging run stops with exit code 3 on every
 import contextlib
 import datetime
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -268,6 +269,13 @@ def write_unmarked_dict(path, good: bytes) -> None:
     torch.save({"model": {}, "iter_num": 4}, path)
 
 
+def write_without_config(path, good: bytes) -> None:
+    """A marked checkpoint that lacks a field the resumed run reads (another version's, or one made by hand)."""
+    state = torch.load(io.BytesIO(good), weights_only=True)
+    del state["config"]
+    torch.save(state, path)
+
+
 @pytest.mark.parametrize("write, message", [
     (write_truncated, "cannot be read .*truncated, or not a nanoNorm checkpoint. Nothing was changed"),
     (write_text, "cannot be read .*truncated, or not a nanoNorm checkpoint. Nothing was changed"),
@@ -275,6 +283,7 @@ def write_unmarked_dict(path, good: bytes) -> None:
                            "or not a nanoNorm checkpoint. Nothing was changed"),
     (write_tensor, "is not a nanoNorm checkpoint .*nothing was changed"),
     (write_unmarked_dict, "is not a nanoNorm checkpoint .*nothing was changed"),
+    (write_without_config, r"does not fit this version of nanoNorm \(KeyError: 'config missing or of another type'\)"),
 ])
 def test_unreadable_checkpoint_is_refused_and_left_alone(data_dir, tmp_path, write, message):
     """Each bad file with a matching checksum, so that reading it is what refuses it."""
