@@ -251,6 +251,13 @@ def check_config(c: GPTConfig) -> None:
             raise ValueError(f"{key}={getattr(c, key)} must be at least 1")
     if c.norm_eps < 0:
         raise ValueError(f"norm_eps={c.norm_eps} must not be negative (it keeps the norm's division away from 0)")
+    if not c.rope_base > 1:
+        raise ValueError(f"rope_base={c.rope_base} must exceed 1 (the RoPE paper's is 10000): the rotation "
+                         "frequencies are its powers base^(-2i/d)")
+    if c.branch_scale is not None and not c.branch_scale > 0:
+        raise ValueError(f"branch_scale={c.branch_scale} must be positive (it multiplies every sub-layer's output)")
+    if c.embed_fan_in is not None and c.embed_fan_in < 1:
+        raise ValueError(f"embed_fan_in={c.embed_fan_in} must be at least 1 (a count of input features), or None")
     if c.n_embd % c.n_head != 0:
         raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
     if c.pos == "rope" and (c.n_embd // c.n_head) % 2 != 0:

@@ -294,12 +294,15 @@ def strict_json(value):
 class MetricsLog:
     """metrics.jsonl: one JSON object per line, non-finite numbers as null. A fresh run starts it anew,
     a resumed run drops the lines past its checkpoint (and a line cut short by a kill), and the evaluation
-    at its checkpoint's iteration if it evaluates there again (`reevaluates`)."""
+    at its checkpoint's iteration if it evaluates there again (`reevaluates`). `lines` counts the lines
+    written so far; a checkpoint records it, and a resumed run (`logged_lines`, that record) refuses a log
+    that has lost some of them since, unless it is empty (the user chose to go on without the history)."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None,
-                 reevaluates: bool = True):
+                 reevaluates: bool = True, logged_lines: int | None = None):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, METRICS_NAME), enabled, wandb_run
         self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
+        self.lines = 0
         if enabled and resume_iter and not os.path.lexists(self.path):
             raise ConfigError(f"{self.path} is missing, so the resumed run's log would start at iter {resume_iter} "
                               f"without its history; restore it, or create an empty one (touch {self.path}) to go "
@@ -311,10 +314,18 @@ class MetricsLog:
             return
         try:
             with open(self.path, "rb") as f:
-                kept = [line for line in f if self._before_resume(line, resume_iter, reevaluates)]
+                lines = f.readlines()
+            # the lines the checkpoint's save came after (its evaluation is logged after the save)
+            history = sum(self._before_resume(line, resume_iter) for line in lines)
+            if lines and logged_lines is not None and history < logged_lines:
+                raise ConfigError(f"{self.path} holds {history} lines up to iter {resume_iter}, but it held "
+                                  f"{logged_lines} when the checkpoint was saved: it was cut short or edited since. "
+                                  "Restore it, or empty it (: > FILE) to go on without its history")
+            kept = [line for line in lines if self._before_resume(line, resume_iter, reevaluates)]
             with open(self.path + ".tmp", "wb") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
+            self.lines = len(kept)
         except OSError as e:  # a folder, or unreadable
             raise ConfigError(f"cannot rewrite {self.path} for the resumed run ({e.strerror or e}); move it "
                               "aside or fix its permissions") from None
@@ -340,5 +351,6 @@ class MetricsLog:
         record = strict_json(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
+        self.lines += 1
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))

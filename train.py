@@ -702,9 +702,14 @@ def checked_contents(checkpoint: dict, out_dir: str) -> dict:
 def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None) -> tuple[TrainConfig, dict]:
     """The config and model keys the task is built from: a resumed or eval-only run keeps the checkpoint's
     compact_vocab, and its block_size and other model keys unless it sets them (a clash stops in
-    resume_model_args)."""
+    resume_model_args); its task must be this run's."""
     if checkpoint is None:
         return cfg, model_args
+    task = checkpoint["config"].get("task", "lm")
+    if task != cfg.task:
+        raise ConfigError(f"the checkpoint was trained on task={task!r}, this run asks for task={cfg.task!r}; its "
+                          f"model does not fit the other task's inputs. Pass --task={task}, or start a new run "
+                          "with another --out_dir")
     compact = checkpoint["config"].get("compact_vocab", False)
     if cfg.compact_vocab and not compact:
         raise ConfigError("cannot resume: the checkpoint was trained without compact_vocab, so its model has "
@@ -712,9 +717,11 @@ def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None
     return replace(cfg, compact_vocab=compact), {**checkpoint["model_args"], **model_args}
 
 
-def check_same_tokens(checkpoint: dict, task) -> None:
+def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
     """A resumed or evaluated model reads token ids as its training data defined them: another dataset is
-    fine only if the same ids mean the same tokens (same tokenizer, characters and compact ids)."""
+    fine only if the same ids mean the same tokens (same tokenizer, characters and compact ids). The
+    checkpoint's own dataset, prepared again since from other text, is refused: the run would go on (or be
+    evaluated) on data other than the data its log and checkpoint name."""
     saved = checkpoint.get("data_meta")
     if saved is None or not hasattr(task, "data"):
         return
@@ -725,6 +732,15 @@ def check_same_tokens(checkpoint: dict, task) -> None:
                           f"{', '.join(differ)} differ), so the model would read the wrong tokens; use the dataset "
                           f"it was trained on (--dataset={checkpoint['config']['dataset']}) or start a new run "
                           "with another --out_dir")
+    if checkpoint["config"].get("dataset") != cfg.dataset:
+        return
+    changed = [f"{k} {saved[k]!r} -> {task.data.meta.get(k)!r}" for k in ("source", "train_tokens", "val_tokens")
+               if k in saved and saved[k] != task.data.meta.get(k)]
+    if changed:
+        raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(changed)})"
+                          ", so the run would not go on with the data it was trained on; prepare the data as it was, "
+                          "or start a new run with another --out_dir (to train on the new text from this checkpoint, "
+                          "prepare it under another dataset name and pass --dataset)")
 
 
 def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSignals) -> int:
@@ -733,7 +749,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     cfg, task_args = resumed_settings(cfg, model_args, checkpoint)
     task = make_task(cfg, task_args, device, ddp.master)
     if checkpoint is not None:
-        check_same_tokens(checkpoint, task)
+        check_same_data(cfg, checkpoint, task)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
     raw_model = model
     dtype = autocast_dtype(cfg, device)
@@ -762,7 +778,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
     log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run,
-                     reevaluates=evaluates_at(cfg, iter_num))  # then the log's line for it goes: it is written again
+                     reevaluates=evaluates_at(cfg, iter_num),  # then the log's line for it goes: it is written again
+                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None)
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size
@@ -783,7 +800,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val,
                 "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
-                "skipped_steps": skipped, "evaluated": evaluated,
+                "skipped_steps": skipped, "evaluated": evaluated, "metrics_lines": log.lines,
                 **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
 
     # the first iteration with a non-finite training loss, kept on the device: no sync per step

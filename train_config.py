@@ -332,11 +332,32 @@ def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
         raise ConfigError(str(e)) from None
     if not 0 <= config.dropout < 1:
         raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
+    check_vector_shape(cfg, model_args)
     block_size = model_args.get("block_size")
     if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
         raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "
                           f"(2 * icl_pairs = {2 * cfg.icl_pairs} tokens); raise --block_size or lower --icl_pairs")
     return config
+
+
+def check_vector_shape(cfg: TrainConfig, model_args: dict) -> None:
+    """in_features and out_features belong to the task: the least-squares task sets them from its dimension,
+    a language model has none (and no embed_fan_in)."""
+    from icl_task import token_dim
+
+    if cfg.task == "lm":
+        given = [k for k in ("in_features", "out_features", "embed_fan_in") if model_args.get(k) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} describe{'s' * (len(given) == 1)} a model of vector tokens, "
+                              "which only task='icl' trains; drop them (a language model reads token ids)")
+        return
+    shape = {"in_features": (token_dim(cfg.icl_dim, cfg.icl_bias_feature), "features per token"),
+             "out_features": (cfg.icl_dim, "values per prediction")}
+    for key, (value, what) in shape.items():
+        if model_args.get(key) not in (None, value):
+            raise ConfigError(f"{key}={model_args[key]} does not fit the least-squares task, which has {value} "
+                              f"{what} (icl_dim={cfg.icl_dim}, icl_bias_feature={cfg.icl_bias_feature}); drop "
+                              f"--{key}: the task sets it")
 
 
 def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:

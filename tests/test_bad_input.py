@@ -68,6 +68,15 @@ def config_file(tmp_path, text: str) -> str:
     (lambda tmp: ["--eval_interval=4", "--keep_every=3"], r"keep_every=3 must be a multiple of eval_interval=4"),
     (lambda tmp: ["--task=icl", "--icl_pairs=3"], r"icl_pairs=3 is below icl_dim=5"),
     (lambda tmp: ["--task=icl", "--icl_noise_std=-1"], r"icl_noise_std=-1\.0 must not be negative"),
+    (lambda tmp: ["--pos=rope", "--rope_base=0"], r"rope_base=0\.0 must exceed 1"),  # was NaN tables, exit 3
+    (lambda tmp: ["--branch_scale=0"], r"branch_scale=0\.0 must be positive"),
+    (lambda tmp: ["--task=icl", "--embed_fan_in=-1"], r"embed_fan_in=-1 must be at least 1"),  # was a traceback
+    (lambda tmp: ["--in_features=3", "--out_features=3"],  # was a shape error in the first step
+     r"in_features, out_features describe a model of vector tokens, which only task='icl' trains"),
+    (lambda tmp: ["--task=icl", "--in_features=20", "--out_features=5"],
+     r"in_features=20 does not fit the least-squares task, which has 13 features per token \(icl_dim=5"),
+    (lambda tmp: ["--task=icl", "--in_features=13", "--out_features=3"],
+     r"out_features=3 does not fit the least-squares task, which has 5 values per prediction"),
 ])
 def test_bad_config_exits_2_with_one_line(monkeypatch, capsys, tmp_path, args, message):
     code, err = exit_code_and_error(monkeypatch, capsys, args(tmp_path))

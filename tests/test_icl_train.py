@@ -46,6 +46,18 @@ def icl_run(tmp_path_factory, one_thread) -> list[dict]:
     return read_metrics(out)
 
 
+def test_a_least_squares_checkpoint_is_not_resumed_as_a_language_model(tmp_path):
+    """The task is named, not a vocab_size the run never set; nothing is written."""
+    out = tmp_path / "run"
+    assert train.train(run_args(str(out), max_iters=2, eval_interval=2, icl_eval_batches=1)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+        with pytest.raises(train.ConfigError, match="the checkpoint was trained on task='icl', this run asks for "
+                                                    "task='lm'.*Pass --task=icl"):
+            train.train(run_args(str(out), task="lm", **change))
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def eval_records(records: list[dict]) -> list[dict]:
     return [r for r in records if r["kind"] == "eval"]
 

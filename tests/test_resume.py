@@ -545,6 +545,25 @@ def test_resume_without_metrics_is_refused(straight_run, data_dir, tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_resume_with_metrics_cut_short_is_refused_and_an_emptied_log_goes_on(straight_run, data_dir, tmp_path):
+    """The checkpoint records how many lines the log had: one that lost lines since is refused, unchanged (the
+    resumed log would miss iterations); one emptied by hand is the user's choice to go on without them."""
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_bytes(b"".join(lines[:2]))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = tiny_run_args(data_dir, str(out), **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume")
+    # the log's last line, iter 10's evaluation, was written after the checkpoint's save
+    with pytest.raises(train.ConfigError, match=rf"holds 2 lines up to iter 10, but it held {len(lines) - 1} when "
+                                                "the checkpoint was saved"):
+        train.train(args)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "metrics.jsonl").write_bytes(b"")
+    assert train.train(args) == 0
+    assert [r["iter"] for r in read_metrics(str(out)) if r["kind"] == "eval"] == [12]
+
+
 def test_resume_past_a_final_evaluation_off_the_interval_keeps_it(straight_run, data_dir, tmp_path):
     """On from 10 to 12: 10 is no multiple of eval_interval, so the resumed run does not evaluate it again and
     its logged evaluation stays."""

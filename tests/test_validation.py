@@ -50,12 +50,12 @@ def test_accumulation_must_split_evenly_among_ranks():
     assert train.accumulation_per_rank(cfg, 3) == 1 and train.accumulation_per_rank(cfg, 1) == 3
 
 
-def char_dataset(data_dir, name: str, chars: str, force: bool = False) -> None:
+def char_dataset(data_dir, name: str, chars: str, force: bool = False, repeats: int = 20) -> None:
     """data_dir/name: a char dataset over `chars` (letters, a space and a newline), long enough for block_size 32."""
     tokenizer = prepare_data.get_tokenizer("char", sorted(chars + " \n"))
     text = chars + " "
-    prepare_data.write_dataset(data_dir / name, {"train": [text * 20], "val": [text[::-1] * 8]}, tokenizer, "test",
-                               force=force)
+    prepare_data.write_dataset(data_dir / name, {"train": [text * repeats], "val": [text[::-1] * 8]}, tokenizer,
+                               "test", force=force)
 
 
 def empty_val_split(path) -> None:
@@ -141,6 +141,21 @@ def test_resume_refuses_a_dataset_whose_token_ids_mean_other_characters(tmp_path
     char_dataset(tmp_path, "first", "abcdefgh", force=True)
     assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=4, eval_interval=2,
                                      init_from="resume")) == 0
+
+
+def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path):
+    """The same name and characters, more training text: the run would go on with other data than it
+    started on, so resume and eval_only stop and change nothing."""
+    char_dataset(tmp_path, "first", "abcdefgh")
+    out = tmp_path / "run"
+    assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=2, eval_interval=2)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    char_dataset(tmp_path, "first", "abcdefgh", force=True, repeats=30)
+    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+        with pytest.raises(train.ConfigError, match=r"first was prepared again since this checkpoint was saved "
+                                                    r"\(train_tokens 182 -> 272\)"):
+            train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", eval_interval=2, **change))
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_min_lr_above_learning_rate_is_fine_without_decay():
