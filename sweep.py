@@ -32,15 +32,20 @@ prints no verdict, and with --baseline (which then only sets the ms/iter referen
 tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
-output goes to out_dir/train.log, its exit code and wall time to out_dir/run.json, and the tables to
-OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's; the mean ± std over seeds
-leaves out runs that diverged or crashed. The same command continues a sweep: runs evaluated at max_iters
-(or diverged) are skipped unless --rerun, an unfinished run with a checkpoint resumes. A run folder whose
-run.json records another command (another config, other --set values: another sweep's run) is neither
-skipped nor resumed: the sweep stops and names it (another --out_root, or --rerun to replace it). A grid
-value, seed or rate given twice is refused; run.json and the summaries are written whole or not at all.
-Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments
-or a result file that cannot be read.
+output goes to out_dir/train.log, its exit code, wall time and resolved settings to out_dir/run.json, and
+the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's; the mean ± std
+over seeds leaves out runs that diverged or crashed. The same command continues a sweep: runs evaluated at
+max_iters (or diverged) are skipped unless --rerun, an unfinished run with a checkpoint resumes. A run
+folder whose run.json records other settings (another config or one edited since, other --set values:
+another sweep's run) is neither skipped nor resumed: the sweep stops and names it (another --out_root, or
+--rerun to replace it). A grid value, seed or rate given twice is refused; run.json and the summaries are
+written whole or not at all.
+A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
+run folder in use by another process (a train.py started by hand) stops the sweep before anything starts.
+Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments,
+a result file that cannot be read or a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
+save their last iteration and stop (SIGTERM is passed on to them), nothing more starts, and the same command
+continues the sweep.
 """
 
 from __future__ import annotations
@@ -52,18 +57,21 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict
 
 import train
 from model import GPTConfig
 from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
-from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, OutDirLock, previous_run_files, write_atomically
-from train_config import ConfigError, explicit_settings
+from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, LOCK_NAME, OutDirLock, previous_run_files, write_atomically
+from train_config import ConfigError, TrainConfig, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
@@ -84,6 +92,7 @@ With --jobs N alone, each run gets cores // N threads."""
 
 
 RESUME_FLAGS = ("init_from", "overwrite")  # what sweep.py adds to a command to resume or redo a run
+BOOKKEEPING_KEYS = ("out_dir", *RESUME_FLAGS)  # where a run writes and how it starts, not what it trains
 
 
 class SweepError(ValueError):
@@ -141,16 +150,21 @@ def run_name(point: dict) -> str:
 def run_state(out_dir: str, max_iters: int) -> str:
     """finished (evaluated at max_iters, or diverged), resume (a checkpoint to continue), or new."""
     records = load_metrics(out_dir)
-    if diverged_at(records) is not None or any(r.get("kind") == "eval" and r["iter"] >= max_iters for r in records):
+    if diverged_at(records) is not None or reached_max_iters(records, max_iters):
         return "finished"
     saved = (os.path.exists(os.path.join(out_dir, name)) for name in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME))
     return "resume" if any(saved) else "new"
 
 
+def reached_max_iters(records: list[dict], max_iters: int) -> bool:
+    """The run logged its evaluation at max_iters: its training is complete, whatever ended its process."""
+    return any(r.get("kind") == "eval" and r["iter"] >= max_iters for r in records)
+
+
 def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None = None,
               fixed: dict | None = None, out_root: str = "out/sweep", rerun: bool = False,
               lr_ratios: tuple[str, dict[str, float]] | None = None) -> list[dict]:
-    """One job per run, {point, out_dir, argv, state}; every argv is checked as train.py would.
+    """One job per run, {point, out_dir, argv, state, settings}; every argv is checked as train.py would.
 
     lr_ratios (key, {other: ratio}): each run sets `other` to ratio times its value of `key`."""
     if {"out_dir", "init_from", "overwrite"} & {*grid, *(fixed or {})}:
@@ -167,20 +181,29 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
             settings.update({other: f"{float(settings[key]) * ratio:.6g}" for other, ratio in ratios.items()})
         argv += [f"--{k}={v}" for k, v in settings.items()] + [f"--out_dir={out_dir}"]
         try:
-            cfg, _ = train.load_config(argv)  # checks every key and value before anything runs
+            cfg, model_args = train.load_config(argv)  # checks every key and value before anything runs
         except train.ConfigError as e:
             raise SweepError(f"{e} (run {run_name(point)})" if point else str(e)) from None
         if any(job["out_dir"] == out_dir for job in jobs):
             raise SweepError(f"two runs would write {out_dir}; give each grid value and seed once")
         state = "new" if rerun else run_state(out_dir, cfg.max_iters)
+        settings = resolved_settings(cfg, model_args)
         if state != "new":
-            check_same_run(out_dir, argv)
+            check_same_run(out_dir, argv, settings)
         if state == "resume":
             argv.append("--init_from=resume")
         elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
             argv.append("--overwrite=True")
-        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state})
+        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings})
     return jobs
+
+
+def resolved_settings(cfg: TrainConfig, model_args: dict) -> dict:
+    """What a run trains with (its model keys over GPTConfig's defaults, then every training setting), but
+    for BOOKKEEPING_KEYS, as JSON stores it (tuples as lists): what run.json records and a later sweep compares."""
+    settings = {**asdict(GPTConfig()), **model_args, **asdict(cfg)}
+    kept = {k: v for k, v in settings.items() if k not in BOOKKEEPING_KEYS}
+    return json.loads(json.dumps(kept, default=str))
 
 
 def flag_values(argv: list[str]) -> dict[str, str]:
@@ -192,13 +215,18 @@ def flag_values(argv: list[str]) -> dict[str, str]:
     return {**kept, "config": config[0] if config else None}
 
 
-def check_same_run(out_dir: str, argv: list[str]) -> None:
-    """Refuse to skip or resume a run whose run.json records another command (another config or other
-    settings: another sweep's run), which would report its losses as this sweep's. A run stopped before
-    its run.json was written (the sweep was stopped, or train.py was run by hand) is checked against
-    the settings its checkpoint saved instead, and refused if it has none."""
-    stored = read_json(os.path.join(out_dir, "run.json")).get("argv")
-    if stored is not None:
+def check_same_run(out_dir: str, argv: list[str], settings: dict | None = None) -> None:
+    """Refuse to skip or resume a run whose run.json records other settings (another config, one edited since,
+    other --set values: another sweep's run), which would report its losses as this sweep's. `settings` are
+    the run's resolved_settings now, compared over the keys both sides have; a run.json without them (an
+    older sweep.py's) is compared by the command's flags. A run stopped before its run.json was written (the
+    sweep was stopped, or train.py was run by hand) is checked against the settings its checkpoint saved
+    instead, and refused if it has none."""
+    info = read_json(os.path.join(out_dir, "run.json"))
+    stored = info.get("argv")
+    if settings is not None and "settings" in info:
+        mine, theirs = shared_settings(settings, info["settings"], out_dir)
+    elif stored is not None:
         mine, theirs = flag_values(argv), flag_values(stored)
     else:
         saved = run_config(out_dir)  # ckpt.pt's settings; None without it
@@ -214,6 +242,15 @@ def check_same_run(out_dir: str, argv: list[str]) -> None:
                          "or --rerun to run it again with these settings (its files are replaced)")
 
 
+def shared_settings(mine: dict, theirs: object, out_dir: str) -> tuple[dict, dict]:
+    """Both settings over the keys both have: a key added to the code since a run was recorded says nothing."""
+    if not isinstance(theirs, dict):
+        raise SweepError(f"{out_dir}/run.json records settings that are not a JSON object (edited by hand?); "
+                         "move the run away, or --rerun to run it again")
+    shared = [k for k in mine if k in theirs]
+    return {k: mine[k] for k in shared}, {k: theirs[k] for k in shared}
+
+
 def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]:
     """(runs at a time, threads per run) on this machine's cores; see JOBS_HELP."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -222,9 +259,81 @@ def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]
     return (max(1, cores // threads_per_run) if jobs == "auto" else int(jobs)), threads_per_run
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than SIGINT reached the sweep: it stops as Ctrl-C stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Children:
+    """The train.py processes the sweep runs now, so that a stop signal reaches them and none starts after it."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # a signal handler runs in the main thread, maybe inside `stop`
+        self._running: set[subprocess.Popen] = set()
+        self.stopping: int | None = None  # the stop signal received
+
+    def check_running(self) -> None:
+        """Interrupted if the sweep is stopping: nothing more starts."""
+        if self.stopping is not None:
+            raise Interrupted(self.stopping)
+
+    def start(self, command: list[str], **options) -> subprocess.Popen:
+        """Popen(command), unless the sweep is stopping."""
+        with self._lock:
+            self.check_running()
+            process = subprocess.Popen(command, **options)
+            self._running.add(process)
+        return process
+
+    def wait(self, process: subprocess.Popen) -> int:
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.discard(process)
+
+    def stop(self, signum: int, forward: bool = True) -> None:
+        """Start nothing more, and send signum to the running children if `forward`."""
+        with self._lock:
+            self.stopping = signum if self.stopping is None else self.stopping
+            running = list(self._running) if forward else []
+        for process in running:
+            process.send_signal(signum)  # a child that has just ended is skipped (Popen polls first)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.stopping = None
+
+
+CHILDREN = Children()
+
+
+@contextlib.contextmanager
+def forwarding_sigterm() -> Iterator[None]:
+    """SIGTERM stops the sweep as Ctrl-C stops the process group: the running train.py runs get it (each saves
+    its last iteration and exits 4), nothing more starts, and Interrupted is raised; the sweep then waits for
+    the runs to end. The previous handler comes back on leaving."""
+    def handle(signum: int, frame) -> None:
+        first = CHILDREN.stopping is None
+        CHILDREN.stop(signum)
+        if first:  # a second SIGTERM only reaches the children again
+            raise Interrupted(signum)
+
+    CHILDREN.reset()
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def launch(job: dict, threads: int) -> dict:
-    """Run one job to its end: output to out_dir/train.log, exit code and wall time (summed over
-    resumptions) to out_dir/run.json."""
+    """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions)
+    and the run's resolved settings to out_dir/run.json. A sweep stopping starts no run (Interrupted)."""
+    CHILDREN.check_running()
     os.makedirs(job["out_dir"], exist_ok=True)
     info_path = os.path.join(job["out_dir"], "run.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
@@ -232,10 +341,11 @@ def launch(job: dict, threads: int) -> dict:
     before = read_json(info_path).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
     start = time.perf_counter()
     with open(os.path.join(job["out_dir"], "train.log"), "a" if job["state"] == "resume" else "w") as log:
-        code = subprocess.run([sys.executable, TRAIN, *job["argv"]], stdout=log, stderr=subprocess.STDOUT,
-                              env=env).returncode
+        process = CHILDREN.start([sys.executable, TRAIN, *job["argv"]], stdout=log, stderr=subprocess.STDOUT,
+                                 env=env)
+        code = CHILDREN.wait(process)
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
-            "wall_s": before + time.perf_counter() - start, "threads": threads}
+            "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"]}
     write_atomically(info_path, json.dumps(info, indent=1).encode())
     return info
 
@@ -256,10 +366,12 @@ def read_json(path: str) -> dict:
     return data
 
 
-def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[dict] | None = None) -> list[dict]:
+def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[dict] | None = None,
+              max_iters: list[int] | None = None) -> list[dict]:
     """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
-    final losses, divergence, exit code, time, and the `extra` metrics of its last evaluation that logged them
-    (e.g. val_xy_loss, grad_kurtosis)."""
+    final losses, divergence, exit code, whether it reached its `max_iters` (one per run; the rule run_state
+    skips it by), time, and the `extra` metrics of its last evaluation that logged them (e.g. val_xy_loss,
+    grad_kurtosis)."""
     rows = []
     for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
@@ -270,6 +382,7 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
                      "train_loss": evals[-1].get("train_loss") if evals else None,
                      "val_loss": evals[-1].get("val_loss") if evals else None,
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
+                     "reached_max_iters": bool(max_iters) and reached_max_iters(records, max_iters[i]),
                      "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None,
                      **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), (int, float))), None)
                         for key in extra or []}})
@@ -288,8 +401,7 @@ def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None) -
     baseline = baseline or dict(zip(keys, next(iter(groups)), strict=True))
     out = []
     for values, group in groups.items():
-        ok = [r["val_loss"] for r in group if r["diverged_at"] is None and r["exit_code"] in (0, None)
-              and r["val_loss"] is not None and math.isfinite(r["val_loss"])]
+        ok = [r["val_loss"] for r in group if math.isfinite(final_loss(r))]
         mean = statistics.fmean(ok) if ok else None
         std = statistics.stdev(ok) if len(ok) > 1 else None
         text = "-" if mean is None else f"{mean:.4f}" + (f" ± {std:.4f}" if std is not None else "")
@@ -317,8 +429,30 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
 
 
+def busy_runs(jobs: list[dict]) -> list[str]:
+    """The out_dirs of the jobs whose folder lock another process holds (a train.py started by hand, or left
+    running by a sweep that was killed); the lock is taken and released at once. A folder that was never
+    locked is not touched."""
+    busy = []
+    for job in jobs:
+        if not os.path.exists(os.path.join(job["out_dir"], LOCK_NAME)):
+            continue
+        if not os.access(job["out_dir"], os.W_OK):
+            continue  # not in use, but not writable: train.py says so in the run's log
+        try:
+            OutDirLock(job["out_dir"]).release()
+        except ConfigError:
+            busy.append(job["out_dir"])
+    return busy
+
+
 def execute(pending: list[dict], workers: int, threads: int) -> None:
-    """Run the jobs, `workers` at a time, printing each outcome as it comes."""
+    """Run the jobs, `workers` at a time, printing each outcome as it comes. A run folder in use by another
+    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more."""
+    if busy := busy_runs(pending):
+        raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
+                         "wait for it to end or stop it, then run the same command again. Nothing was started")
+    CHILDREN.reset()
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(launch, job, threads): job for job in pending}
         try:
@@ -328,8 +462,15 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
                 print(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
                       + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""), flush=True)
         except KeyboardInterrupt:
+            CHILDREN.stop(signal.SIGINT, forward=False)  # Ctrl-C reached the runs too; a second one stops them unsaved
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
+
+
+def summarize_jobs(jobs: list[dict], extra: list[str] | None = None) -> list[dict]:
+    """summarize() of plan_runs' jobs: their grid values and max_iters from the plan."""
+    return summarize([job["out_dir"] for job in jobs], extra, [job["point"] for job in jobs],
+                     [job["settings"]["max_iters"] for job in jobs])
 
 
 def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None = None, fixed: dict | None = None,
@@ -349,7 +490,7 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
     if dry_run:
         return []
     execute(pending, workers, threads)
-    rows = summarize([job["out_dir"] for job in todo], extra, [job["point"] for job in todo])
+    rows = summarize_jobs(todo, extra)
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
                   f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
                   NO_VERDICT if baseline else None)
@@ -475,16 +616,23 @@ def verdict(claimed: list[float], other: list[float], claim: str = "lower", pair
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
+def trained_to_end(row: dict) -> bool:
+    """The run's training counts as complete: it exited with 0 (or recorded no exit code), or its metrics hold
+    the evaluation at max_iters whatever exit code run.json records (killed while drawing its final sample,
+    or completed by hand with --init_from=resume after a stop)."""
+    return row["exit_code"] in (0, None) or bool(row.get("reached_max_iters"))
+
+
 def crashed(row: dict) -> bool:
     """A run that ended with an error (a crash or a refused config) before it could train or diverge: not a result."""
-    return row["diverged_at"] is None and row["exit_code"] not in (0, 3, None)
+    return row["diverged_at"] is None and row["exit_code"] != 3 and not trained_to_end(row)
 
 
 def final_loss(row: dict) -> float:
     """The run's final val loss for the verdict rule and the choice of rate: +inf if it diverged, crashed
     or ended without a finite loss."""
     loss = row.get("val_loss")
-    ok = row["diverged_at"] is None and row["exit_code"] in (0, None) and loss is not None and math.isfinite(loss)
+    ok = row["diverged_at"] is None and trained_to_end(row) and loss is not None and math.isfinite(loss)
     return loss if ok else math.inf
 
 
@@ -589,7 +737,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             print(shlex.join(["python", "train.py", *job["argv"]]))
         return []
     execute(pending, workers, threads)
-    first_rows = summarize([job["out_dir"] for job in first], extra, [job["point"] for job in first])
+    first_rows = summarize_jobs(first, extra)
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     choice = []
     for point in points:
@@ -600,7 +748,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, later,
                                  fixed, out_root, rerun, (lr_key, ratios))]
     execute([job for job in rest if job["state"] != "finished"], workers, threads)
-    rest_rows = summarize([job["out_dir"] for job in rest], extra, [job["point"] for job in rest])
+    rest_rows = summarize_jobs(rest, extra)
     table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claim)
     write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
@@ -904,6 +1052,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
+    with forwarding_sigterm():
+        return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """main() past the parsing: the exit code of what args ask for."""
     try:
         if args.leaderboard:
             table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, args.claim)
@@ -951,10 +1105,10 @@ def main(argv: list[str] | None = None) -> int:
     except (SweepError, ConfigError, PlotError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("interrupted: run the same command to continue the sweep", file=sys.stderr)
-        return 130
-    return int(any(r["exit_code"] not in (0, 3, None) for r in rows))
+        return 128 + e.signum if isinstance(e, Interrupted) else 130
+    return int(any(crashed(r) for r in rows))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ runs and summaries: no training."""
 import json
 import math
 import os
+import pathlib
+import signal
 from dataclasses import asdict
 
 import pytest
@@ -48,13 +50,24 @@ def curve(best: str, at_best: list[float], rates: list[str] = RATES) -> dict[str
     return {lr: at_best if lr == best else [at_best[0] + 0.1 * abs(i - centre)] for i, lr in enumerate(rates)}
 
 
-def finished_run(out_dir, argv: list[str], max_iters: int = 4) -> None:
-    """A run folder as a finished sweep run leaves it: an evaluation at max_iters and its run.json."""
+def finished_run(out_dir, argv: list[str], max_iters: int = 4, exit_code: int = 0,
+                 settings: dict | None = None) -> None:
+    """A run folder as a finished sweep run leaves it: an evaluation at max_iters and its run.json (with the
+    resolved settings a sweep records, if given)."""
     os.makedirs(out_dir)
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"kind": "eval", "iter": max_iters, "train_loss": 2.0, "val_loss": 2.1}) + "\n")
+    info = {"point": {"seed": 1}, "argv": argv, "exit_code": exit_code, "wall_s": 1.0}
     with open(os.path.join(out_dir, "run.json"), "w") as f:
-        json.dump({"point": {"seed": 1}, "argv": argv, "exit_code": 0, "wall_s": 1.0}, f)
+        json.dump({**info, **({"settings": settings} if settings is not None else {})}, f)
+
+
+def recorded_settings(argv: list[str]) -> dict:
+    """The settings run.json records of a run of argv: model keys over GPTConfig's defaults, then the training
+    settings, but for where the run writes and how it starts, as JSON stores them."""
+    cfg, model_args = train.load_config(argv)
+    settings = {**asdict(GPTConfig()), **model_args, **asdict(cfg)}
+    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in ("out_dir", "init_from", "overwrite")}))
 
 
 def saved_settings(path, argv: list[str]) -> None:
@@ -150,6 +163,64 @@ def test_a_finished_run_of_another_sweep_is_not_taken_as_this_ones(tmp_path):
         sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4", "n_embd": "64"}, str(tmp_path))
     assert sweep.plan_runs(CONFIG, {"norm_scheme": ["pre"]}, [1], {"max_iters": "4", "n_embd": "64"}, str(tmp_path),
                            rerun=True)[0]["state"] == "new"  # --rerun: the explicit way to replace it
+
+
+def test_a_config_file_edited_since_a_run_finished_is_not_taken_as_this_sweeps(tmp_path):
+    config, root = tmp_path / "qs.py", str(tmp_path / "sweep")
+    config.write_text(pathlib.Path(CONFIG).read_text() + "\nn_layer = 1\n")
+    plan = {"config": str(config), "grid": {"learning_rate": ["1e-3"]}, "fixed": {"max_iters": "4"}, "out_root": root}
+    [job] = sweep.plan_runs(**plan)
+    recorded = recorded_settings(job["argv"])
+    finished_run(job["out_dir"], job["argv"], settings={**recorded, "a_key_since_removed": 1})
+    assert sweep.plan_runs(**plan)[0]["state"] == "finished"  # the same settings; a key one side lacks is ignored
+    config.write_text(config.read_text().replace("n_layer = 1", "n_layer = 2"))  # same path, same flags
+    with pytest.raises(sweep.SweepError, match=r"learning_rate=1e-3 holds a run of another sweep \(n_layer=2 here, "
+                       r"1 there\); give another --out_root, or --rerun"):
+        sweep.plan_runs(**plan)
+    assert job["settings"] == recorded  # what launch records in run.json
+
+
+@pytest.mark.parametrize("exit_code", [-9, 4])  # killed while drawing its sample; stopped, then completed by hand
+def test_a_run_evaluated_at_max_iters_is_a_result_whatever_exit_code_run_json_records(tmp_path, capsys, exit_code):
+    plain, lr = str(tmp_path / "plain"), str(tmp_path / "lr")
+    fixed = {"max_iters": "4"}
+    [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, plain)
+    finished_run(job["out_dir"], job["argv"], exit_code=exit_code, settings=recorded_settings(job["argv"]))
+    [job] = sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [1], fixed, lr,
+                            lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"]))
+    finished_run(job["out_dir"], job["argv"], exit_code=exit_code, settings=recorded_settings(job["argv"]))
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", plain]) == 0  # skipped, counted
+    summary = json.loads(pathlib.Path(plain, "summary.json").read_text())
+    [row], [point] = summary["runs"], summary["grid_points"]
+    assert row["exit_code"] == exit_code and point["val_loss_mean"] == 2.1  # the recorded code still shows
+    assert not sweep.crashed(row) and sweep.final_loss(row) == 2.1
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--out_root", lr]) == 0
+    [point] = json.loads(pathlib.Path(lr, "summary.json").read_text())["lr_points"]
+    assert point["best_lr"] == "1e-3" and point["crashed_lrs"] is None and point["val_loss_mean"] == 2.1
+
+
+def test_a_run_folder_in_use_stops_the_sweep_before_anything_starts(tmp_path, capsys, monkeypatch):
+    def refuse(job, threads):
+        raise AssertionError(f"{job['out_dir']} was started")
+
+    monkeypatch.setattr(sweep, "launch", refuse)
+    OutDirLock(str(tmp_path / "seed=2")).release()  # a folder whose run has ended: free
+    with OutDirLock(str(tmp_path / "seed=1")):  # as a train.py started there by hand holds it
+        assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1,2,3", "--out_root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "seed=2" not in err, err
+    assert "seed=1: in use by another process" in err and "wait for it to end or stop it" in err, err
+    assert sorted(os.listdir(tmp_path)) == [".lock", "seed=1", "seed=2"]  # no seed=3 folder, no summary
+    assert os.listdir(tmp_path / "seed=1") == [".lock"]
+
+
+def test_sigterm_handling_is_main_s_alone_and_undone_after_it(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with sweep.forwarding_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--out_root", str(tmp_path), "--dry_run"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_an_attempt_cut_off_before_its_first_checkpoint_starts_anew_and_a_stop_save_resumes(tmp_path):
