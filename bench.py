@@ -40,6 +40,7 @@ import torch
 import optim
 from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
 from train import device_peak_flops, reuse_freed_memory
+from train_config import ConfigError, check_device
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
@@ -48,6 +49,11 @@ SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
     "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test
 }
+
+
+class BenchError(ValueError):
+    """An option bench.py cannot run with (a --nanogpt file that is not nanoGPT's model.py): main prints it and
+    exits with code 2."""
 
 
 SCHEME_CASES = (*SCHEMES, *ELEMENTWISE_NORMS)  # every row of SCHEMES, and DyT and Derf in place of Pre-Norm's norms
@@ -131,6 +137,12 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
         k += 1
     k = max(k, 1)
     return xs[k - 1], xs[n - k]
+
+
+def has_median_interval(n: int, confidence: float = 0.95) -> bool:
+    """Whether n values bound the median at that confidence: even their whole range covers it only with
+    probability 1 - 2 / 2**n (at least 6 values for 95%)."""
+    return 1 - 2 / 2**n >= confidence
 
 
 def ratio_spread(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
@@ -230,19 +242,19 @@ def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_mod
 
 
 def load_nanogpt(path: str) -> types.ModuleType:
-    """karpathy/nanoGPT's model.py as a module; ValueError, saying why, when the file is not one."""
+    """karpathy/nanoGPT's model.py as a module; BenchError, saying why, when the file is not one."""
     spec = importlib.util.spec_from_file_location("nanogpt_model", path) if os.path.isfile(path) else None
     if spec is None or spec.loader is None:
-        raise ValueError(f"--nanogpt {path} is not a Python file; give the path of nanoGPT's model.py")
+        raise BenchError(f"--nanogpt {path} is not a Python file; give the path of nanoGPT's model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # any file can be named here, and it can fail in any way
-        raise ValueError(f"--nanogpt {path} failed to import ({type(e).__name__}: {e}); "
-                         "give the path of nanoGPT's model.py") from e
+    except (Exception, SystemExit) as e:  # any file can be named here, and it can fail in any way, or exit
+        raise BenchError(f"--nanogpt {path} failed to import ({type(e).__name__}: {e}); "
+                         "give the path of nanoGPT's model.py") from None
     if not (hasattr(module, "GPT") and hasattr(module, "GPTConfig")):
-        raise ValueError(f"--nanogpt {path} defines no GPT and GPTConfig; give the path of nanoGPT's model.py")
+        raise BenchError(f"--nanogpt {path} defines no GPT and GPTConfig; give the path of nanoGPT's model.py")
     return module
 
 
@@ -251,22 +263,31 @@ def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch,
     module = load_nanogpt(path)
     n_layer, n_head, n_embd, block_size, _, vocab = SHAPES[shape]
     torch.manual_seed(0)
-    model = module.GPT(module.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
-                                        vocab_size=vocab, bias=False, dropout=0.0)).to(device)
+    try:
+        model = module.GPT(module.GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                                            vocab_size=vocab, bias=False, dropout=0.0))
+    except (Exception, SystemExit) as e:  # another model.py: GPTConfig or GPT with other arguments
+        raise BenchError(f"--nanogpt {path}: its GPT cannot be built as nanoGPT's is ({type(e).__name__}: {e}); "
+                         "give the path of nanoGPT's model.py") from None
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
     runner = torch.compile(model) if compile_model else model
     return make_step(runner, optimizer, batch, autocast)
 
 
 def report(title: str, rows: list[dict], baseline: str, rounds: int) -> None:
-    print(f"\n{title} (ratios against {baseline} in the same round, median over {rounds} rounds)\n")
+    """The table of rows; the median's 95% CI shows "-" when there are too few rounds to give one."""
+    interval = has_median_interval(rounds)
+    too_few = "" if interval else "; too few rounds for the median's 95% CI: give --rounds 6 or more"
+    print(f"\n{title} (ratios against {baseline} in the same round, median over {rounds} rounds{too_few})\n")
     print(f"| case | ms/step | x {baseline} | rounds' IQR | median's 95% CI | tokens/s | MFU | peak GiB "
           "| opt. state MB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"  # not measured on a CPU
+        ci = f"{r['ratio_lo']:.3f}–{r['ratio_hi']:.3f}" if interval else "-"
         print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} "
-              f"| {r['ratio_lo']:.3f}–{r['ratio_hi']:.3f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} "
+              f"| {ci} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} "
               f"| {r['state_bytes'] / 2**20:.1f} |")
 
 
@@ -334,9 +355,10 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     tables: dict[str, list[dict]] = {}
     if schemes or nanogpt:
         variants = {s: (model_config(shape, **scheme_case(s)), "adamw") for s in dict.fromkeys(["pre", *schemes])}
+        nanogpt_step = nanogpt_case(nanogpt, shape, device, compile_model, batch, autocast) if nanogpt else None
         cases, flops, states = build_all(variants)
-        if nanogpt:
-            cases["nanoGPT (pre)"] = nanogpt_case(nanogpt, shape, device, compile_model, batch, autocast)
+        if nanogpt_step:
+            cases["nanoGPT (pre)"] = nanogpt_step
             flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
         tables["schemes"] = measure(cases, flops, states, "pre")
         report("Schemes, AdamW step", tables["schemes"], "pre", rounds)
@@ -370,12 +392,16 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"unknown scheme(s) {', '.join(unknown)}; choose from: {', '.join(SCHEME_CASES)}")
     if error := optim.optimizer_names_error(name_list(args.optimizers) or []) or optim.timing_device_error(args.device):
         p.error(error)
+    try:  # and what train.py refuses (cpu:1, a cuda index this machine lacks); the fix is bench's own
+        check_device(args.device)
+    except ConfigError as e:
+        p.error(f"--{str(e).split(';')[0]}; give cpu, cuda or cuda:N")
     if args.clock == "cpu" and not args.device.startswith("cpu"):
         p.error(f"--clock cpu times work on the CPU; on {args.device} use --clock wall")
     if args.nanogpt is not None:
         try:
             load_nanogpt(args.nanogpt)
-        except ValueError as e:
+        except BenchError as e:
             p.error(str(e))
 
 
@@ -405,9 +431,12 @@ def main() -> None:
                         "does (to measure what that saves: compare two runs)")
     args = p.parse_args()
     check_args(p, args)
-    run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype, args.compile,
-              args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
-              args.default_malloc)
+    try:
+        run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype,
+                  args.compile, args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
+                  args.default_malloc)
+    except BenchError as e:
+        p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -461,6 +461,8 @@ def main() -> None:
     for option in ("n_pairs", "batch_size", "dim"):
         if getattr(args, option) < 1:
             parser.error(f"--{option} {getattr(args, option)} must be at least 1")
+    if not 0 <= args.seed < 2**32:  # train.py's range: the data streams hash the seed as one 32-bit word
+        parser.error(f"--seed {args.seed} must lie in [0, 2**32)")
     if args.n_pairs < args.dim:
         parser.error(f"--n_pairs {args.n_pairs} is below --dim {args.dim}: with fewer pairs than dimensions "
                      "no draw of X is well conditioned; give --n_pairs of at least --dim")

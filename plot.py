@@ -41,20 +41,44 @@ class PlotError(ValueError):
 
 def load_metrics(out_dir: str) -> list[dict]:
     """The records of out_dir/metrics.jsonl ([] if there is none); a line cut off mid-write, or one that is not
-    a JSON object (a file edited by hand), is skipped."""
+    a JSON object (a file edited by hand), is skipped. A record with a value of the wrong type (an iter that is
+    not an integer, a metric that is not a number or null) raises PlotError."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     records = []
     with open(path, errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict):
+                problem = record_problem(record)
+                if problem:
+                    raise PlotError(f"{path} line {number}: {problem}; fix or delete that line")
                 records.append(record)
     return records
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with the types of one metrics.jsonl record, as train.py writes them, or None: iter an integer
+    (a status line may lack it); in every other line each metric a number or null (non-finite values are
+    written as null), or a list of them."""
+    kind, it = record.get("kind"), record.get("iter")
+    if ("iter" in record or kind in ("train", "eval")) and not (isinstance(it, int) and is_number(it)):
+        return f"iter is {json.dumps(it)}, not an integer" if "iter" in record else f"a {kind} line without its iter"
+    if kind == "status":
+        return None
+    for key, value in record.items():
+        values = value if isinstance(value, list) else [value]
+        if key != "kind" and not isinstance(value, dict) and not all(v is None or is_number(v) for v in values):
+            return f"{key} is {json.dumps(value)}, not a number or null"
+    return None
 
 
 def run_config(out_dir: str) -> dict | None:
@@ -165,7 +189,7 @@ def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[st
         if isinstance(value, list) and index is None and per_block:
             points = {f"block {i}": v for i, v in enumerate(value)}
         elif isinstance(value, list) and index == "max":  # the largest over the blocks
-            points = {"": max(value, default=None)}
+            points = {"": max((v for v in value if is_number(v)), default=None)}
         elif isinstance(value, list):
             i = int(index or -1)
             if not -len(value) <= i < len(value):
@@ -484,6 +508,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_title(title: str) -> None:
+    """Raise PlotError if matplotlib cannot draw title: text between two $ is parsed as mathtext."""
+    from matplotlib.cbook import is_math_text
+    from matplotlib.mathtext import MathTextParser
+
+    if not is_math_text(title):
+        return
+    try:
+        MathTextParser("path").parse(title)
+    except ValueError as e:
+        reason = str(e).strip().splitlines()[-1]
+        raise PlotError(f"--title '{title}': matplotlib reads the text between $ signs as math and cannot "
+                        f"parse it ({reason}); write \\$ for a literal $, or fix the math") from None
+
+
 def plot_from_args(args: argparse.Namespace) -> str:
     """Draw what the command line asks for; returns the path of the image written."""
     if not args.out_dirs:
@@ -497,6 +536,10 @@ def plot_from_args(args: argparse.Namespace) -> str:
             refs[name] = float(value)
         except ValueError:
             raise PlotError(f"--ref {item!r}: write NAME=VALUE with a number") from None
+        if not math.isfinite(refs[name]):
+            raise PlotError(f"--ref {item!r}: a reference line needs a finite value")
+    if args.title is not None:
+        check_title(args.title)
     if args.lr_sweep:
         fig = draw_lr_sensitivity(args.out_dirs, refs, heading=args.title)
         return save(fig, args.out if args.out != "runs.png" else "lr_sensitivity.png", dpi=110)

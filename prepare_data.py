@@ -352,13 +352,18 @@ def _checked_texts(path: Path, values: list, text_field: str) -> list[str]:
 READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
+def regular_files(root: Path, pattern: str = "*") -> list[Path]:
+    """The files under root whose names match pattern, sorted; folders (such as one named x.txt) are left out."""
+    return sorted(f for f in root.rglob(pattern) if f.is_file())
+
+
 def read_documents(path: str, text_field: str = "text") -> list[str]:
     """Non-empty documents of a .txt/.jsonl/.parquet file, or of all such files in a folder."""
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"--input {path} does not exist")
     if root.is_dir():
-        files = sorted(f for f in root.rglob("*") if f.suffix.lower() in READERS)
+        files = [f for f in regular_files(root) if f.suffix.lower() in READERS]
         if not files:
             raise ValueError(f"{path} has no {'/'.join(READERS)} files")
     elif root.suffix.lower() == ".bin":
@@ -505,8 +510,8 @@ def shard_splits(files: Sequence[Path]) -> dict[str, list[Path]]:
 def shard_files(folder: str) -> list[Path]:
     """The .bin shards under folder, which must hold no text files besides."""
     root = Path(folder)
-    shards = sorted(root.rglob("*.bin"))
-    texts = [f for f in root.rglob("*") if f.suffix.lower() in READERS]
+    shards = regular_files(root, "*.bin")
+    texts = [f for f in regular_files(root) if f.suffix.lower() in READERS]
     if texts:
         raise ValueError(f"{folder} holds both token shards ({shards[0].name}) and text files "
                          f"({texts[0].name}): give each its own folder")
@@ -888,7 +893,7 @@ def _source_kind(source: str, options: dict) -> str:
         raise ValueError(f"unknown source {source!r}: choose shakespeare, "
                          f"{', '.join(HF_SOURCES)}, or name your own corpus and pass --input PATH")
     root = Path(options["input"])
-    return "shard folder" if root.is_dir() and any(root.rglob("*.bin")) else "local"
+    return "shard folder" if root.is_dir() and regular_files(root, "*.bin") else "local"
 
 
 def _check_options(source: str, kind: str, tokenizer: str, options: dict) -> None:

@@ -18,7 +18,7 @@ import torch
 import prepare_data
 from model import GPT, GPTConfig
 from run_files import foreign_checkpoint, load_checkpoint
-from train_config import ConfigError, check_device
+from train_config import ConfigError, check_device, resolve_device
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         check_args(args)
+        args.device = resolve_device(args.device)
         start = read_prompt(args.start)
         model, tokenizer = load_model(args.out_dir, args.device)
     except ConfigError as e:

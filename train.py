@@ -79,7 +79,15 @@ from run_files import (
     save_latest_checkpoint,
     save_stop_checkpoint,
 )
-from train_config import MODEL_KEYS, TRAIN_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
+from train_config import (
+    MODEL_KEYS,
+    TRAIN_KEYS,
+    ConfigError,
+    TrainConfig,
+    accumulation_per_rank,
+    load_config,
+    resolve_device,
+)
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
 EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
@@ -105,10 +113,7 @@ class Dist:
 
 def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
     """Start the process group under torchrun and pick this rank's device."""
-    device = cfg.device
-    if device == "auto":
-        mps = getattr(torch.backends, "mps", None)
-        device = "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
+    device = resolve_device(cfg.device)
     if "RANK" not in os.environ:
         return Dist(), device
     ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))

@@ -324,6 +324,14 @@ def check_device(device: str) -> None:
                           "numbered from 0; use --device=cuda or auto")
 
 
+def resolve_device(device: str) -> str:
+    """device=auto: cuda if there is one, else mps, else cpu; any other device as given."""
+    if device != "auto":
+        return device
+    mps = getattr(torch.backends, "mps", None)
+    return "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
+
+
 def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
     """Model values, checked before any data is read or process started."""
     try:

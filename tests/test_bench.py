@@ -78,6 +78,16 @@ def test_median_interval_uses_binomial_order_statistics():
     assert bench.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few values for 95%: the range
 
 
+def test_too_few_rounds_for_the_median_interval_show_a_dash(capsys):
+    assert not bench.has_median_interval(5) and bench.has_median_interval(6)  # the range covers the median 97%
+    row = {"name": "case", "seconds": 0.01, "ratio": 1.1, "ratio_q1": 1.0, "ratio_q3": 1.2, "ratio_lo": 0.9,
+           "ratio_hi": 1.3, "tokens_per_s": 100.0, "mfu": 0.1, "peak_gib": float("nan"), "state_bytes": 0}
+    for rounds, cell in ((2, "| - |"), (6, "| 0.900–1.300 |")):
+        bench.report("Schemes", [row], "pre", rounds)
+        out = capsys.readouterr().out
+        assert cell in out.splitlines()[-1] and ("give --rounds 6 or more" in out) == (rounds < 6)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], r"--rounds 0 must be at least 1"),
     (["--warmup", "-1"], r"--warmup -1 must be at least 0"),
@@ -86,13 +96,22 @@ def test_median_interval_uses_binomial_order_statistics():
     (["--schemes", "pre,prenorm"], r"unknown scheme\(s\) prenorm; choose from: post, pre,"),
     (["--optimizers", "adam"], r"unknown optimizer\(s\) adam; choose from: adamw, sgdw, muon, manifold_muon"),
     (["--device", "gpu"], r"--device gpu is not one the benchmarks time; give cpu, cuda or cuda:N"),
+    (["--device", "cpu:1"], r"--device='cpu:1' is not valid; give cpu, cuda or cuda:N"),  # as train.py refuses it
+    (["--device", "cpu", "--nanogpt", "EXITS"], r"--nanogpt .*model.py failed to import \(SystemExit: 0\)"),
+    (["--device", "cpu", "--nanogpt", "OTHER_GPT", "--shape", "tiny", "--schemes", "none", "--optimizers", "none",
+      "--rounds", "1", "--warmup", "0"],
+     r"--nanogpt .*model.py: its GPT cannot be built as nanoGPT's is \(TypeError: .*'n_layer'\); give the path"),
     (["--device", "cpu", "--nanogpt", "no/such/model.py"], r"--nanogpt no/such/model.py is not a Python file"),
     (["--device", "cpu", "--nanogpt", "NOT_NANOGPT"], r"defines no GPT and GPTConfig; give the path of nanoGPT's"),
 ])
 def test_bad_options_exit_2_with_one_line(monkeypatch, capsys, tmp_path, argv, message):
-    not_nanogpt = tmp_path / "model.py"
-    not_nanogpt.write_text("import torch\n")
-    argv = [str(not_nanogpt) if a == "NOT_NANOGPT" else a for a in argv]
+    files = {"NOT_NANOGPT": "import torch\n", "EXITS": "import sys\nsys.exit(0)\n",
+             "OTHER_GPT": "class GPTConfig:\n    def __init__(self, layers=2): pass\n\n"
+                          "class GPT:\n    def __init__(self, config): pass\n"}
+    for name, text in files.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.py").write_text(text)
+    argv = [str(tmp_path / a / "model.py") if a in files else a for a in argv]
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
         bench.main()

@@ -410,6 +410,18 @@ def test_input_txt_folder_one_document_per_file(tmp_path, write_calls):
     assert prepared_documents(Path(folder)) == sorted(DOCS)
 
 
+def test_folders_named_like_input_files_are_skipped(tmp_path, write_calls, shard_folder):
+    (tmp_path / "corpus" / "sub.txt").mkdir(parents=True)
+    (tmp_path / "corpus" / "notes.bin").mkdir()  # not a token shard: the folder stays a text corpus
+    for i, doc in enumerate(DOCS):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(doc, encoding="utf-8")
+    folder = prepare("mine", input=str(tmp_path / "corpus"), data_dir=str(tmp_path / "data"), val_fraction=0.3)
+    assert prepared_documents(Path(folder)) == sorted(DOCS)
+    shards, _ = shard_folder
+    (shards / "old.txt").mkdir()  # not a text file beside the shards
+    assert load_meta(prepare("fw", input=str(shards), data_dir=str(tmp_path / "data")))["train_tokens"] == 1700
+
+
 def test_input_single_txt_is_cut_at_a_line(tmp_path, write_calls):
     text = "".join(f"line {i}\n" for i in range(100))
     (tmp_path / "book.txt").write_text(text)

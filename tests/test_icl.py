@@ -5,6 +5,7 @@ implementation fails about once in 10^6 runs; all seeds are fixed, so runs are r
 """
 
 import math
+import re
 import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -314,3 +315,12 @@ def test_the_demo_leaves_out_pair_counts_below_the_dimension(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["icl_task.py", "--dim", "70", "--n_pairs", "70", "--batch_size", "2"])
     icl_task.main()  # 64 pairs cannot be drawn well conditioned in 70 dimensions
     assert asked == [[70, 128]]
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), "99999999999999999999"])
+def test_the_demo_refuses_a_seed_train_py_refuses(monkeypatch, capsys, seed):
+    monkeypatch.setattr(sys, "argv", ["icl_task.py", "--seed", seed])
+    with pytest.raises(SystemExit) as stop:
+        icl_task.main()
+    assert stop.value.code == 2
+    assert re.search(rf"error: --seed {seed} must lie in \[0, 2\*\*32\)", capsys.readouterr().err)

@@ -1,4 +1,5 @@
-"""sweep.py and plot.py on real tiny train.py runs: summaries, skipping, resuming, divergence, labels, PNGs."""
+"""sweep.py, plot.py and sample.py on real tiny train.py runs: summaries, skipping, resuming, divergence, labels,
+PNGs, samples."""
 
 import json
 import math
@@ -12,7 +13,9 @@ import pytest
 from conftest import ROOT, tiny_run_args
 
 import plot
+import sample
 import sweep
+import train
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 
@@ -87,6 +90,15 @@ def test_sweep_summary_has_finite_losses_timing_and_exit_codes(sweep_root):
     assert summary["grid_points"][0]["ms_vs_baseline"] == pytest.approx(1.0)  # the first point is the baseline
     with open(os.path.join(sweep_root, "summary.md")) as f:
         assert "final val loss (mean ± std)" in f.read()
+
+
+def test_sample_resolves_device_auto(data_dir, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, run, max_iters=2, eval_interval=2)) == 0
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={run}", "--max_new_tokens=3", "--device=auto"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.endswith("-" * 40 + "\n")
 
 
 def test_rerun_skips_finished_runs(sweep_root, data_dir, monkeypatch):
@@ -203,6 +215,10 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     (["RUN", "--metric", "val_los"], r"no run logged 'val_los' against 'iter'; logged: val_loss"),
     (["RUN", "--metric", "block_rms[x"], r"cannot read metric 'block_rms\[x'"),
     (["RUN", "--ref", "zero"], r"--ref 'zero': write NAME=VALUE with a number"),
+    (["RUN", "--ref", "x=inf", "--out", "OUT/fig.png"], r"--ref 'x=inf': a reference line needs a finite value"),
+    (["RUN", "--ref", "x=nan", "--out", "OUT/fig.png"], r"--ref 'x=nan': a reference line needs a finite value"),
+    (["RUN", "--title", "$\\foo$", "--out", "OUT/fig.png"],
+     r"--title '\$\\foo\$': matplotlib .* cannot parse it .*; write \\\$ for a literal"),
     (["RUN", "--out", "OUT/fig.xyz"], r"fig.xyz: matplotlib writes no .xyz files; end it in .*\.png"),
     (["RUN", "--out", "RUN/metrics.jsonl/fig.png"], r"cannot write .*metrics.jsonl.*; give --out a writable path"),
     (["--lr_sweep", "RUN"], r"RUN has no summary.json; pass the --out_root of a sweep.py --lr_grid run"),
@@ -219,6 +235,39 @@ def test_plot_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: ") and out.err.count("\n") == 1, out.err
     assert re.search(message, out.err), out.err
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"kind": "eval", "iter": 4, "val_loss": "1.0"}', r'line 2: val_loss is "1.0", not a number or null'),
+    ('{"kind": "eval", "iter": "4", "val_loss": 1.0}', r'line 2: iter is "4", not an integer'),
+    ('{"kind": "eval", "iter": 4.0, "val_loss": 1.0}', r"line 2: iter is 4.0, not an integer"),
+    ('{"kind": "train", "loss": 1.0}', r"line 2: a train line without its iter"),
+    ('{"kind": "status", "status": "diverged", "iter": true}', r"line 2: iter is true, not an integer"),
+    ('{"kind": "train", "iter": 4, "loss": 1.0, "lr": true}', r"line 2: lr is true, not a number or null"),
+    ('{"kind": "eval", "iter": 4, "block_rms": [1.0, "x"]}', r'line 2: block_rms is \[1.0, "x"\], not a number'),
+])
+def test_metrics_of_the_wrong_type_exit_2_naming_the_line(tmp_path, capsys, line, message):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n' + line + "\n")
+    with pytest.raises(plot.PlotError, match=re.escape(str(tmp_path / "metrics.jsonl")) + " " + message):
+        plot.load_metrics(str(tmp_path))
+    with pytest.raises(plot.PlotError, match=message):  # not a TypeError in sweep's summary
+        sweep.summarize([str(tmp_path)])
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "fig.png")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_metrics_as_train_py_writes_them_are_read(tmp_path):
+    lines = [{"kind": "train", "iter": 0, "loss": 4.0, "lr": 1e-3, "ms_per_iter": 5.0, "tokens_per_s": 1e4,
+              "mfu": 0.01, "skipped": 0},
+             {"kind": "eval", "iter": 0, "train_loss": 4.0, "val_loss": None, "val_xy_loss": 1.0, "best_loss": 0.5,
+              "val_loss_per_t": [1.0, None], "block_rms": [1.0, None], "attn_logit_max": [2.0, 3.0],
+              "grad_norms": {"wte.weight": 0.1}, "grad_kurtosis": 3.0, "grad_abs_hist": [1, 2]},
+             {"kind": "status", "status": "diverged", "iter": 1, "reason": "non-finite", "block": None,
+              "nonfinite": ["wte.weight"], "n_nonfinite": 1},
+             {"kind": "status", "status": "stopped", "iter": 1, "signal": "SIGTERM", "saved": True}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert plot.load_metrics(str(tmp_path)) == lines
+    assert plot.curves(lines, "block_rms[max]", "iter", False) == {"": ([0], [1.0])}  # a null block is no maximum
 
 
 def test_plot_adds_png_to_an_out_without_extension_and_says_so(tmp_path, capsys):
