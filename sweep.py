@@ -937,7 +937,30 @@ def read_lr_summary(root: str) -> dict:
     if wrong:
         raise SweepError(f"{path}: {wrong}, not what a --lr_grid sweep writes (edited by hand?); run the sweep's "
                          "command again to rewrite it")
+    stale = summary_mismatch(summary)
+    if stale:
+        raise SweepError(f"{path} does not agree with its runs ({stale}): it was edited, or runs changed since it "
+                         "was written; run the sweep's command again to rewrite it")
     return summary
+
+
+def summary_mismatch(summary: dict) -> str | None:
+    """Where an lr summary disagrees with itself or its runs, or None: each point's seed_losses must be its runs'
+    final losses at its best rate, and each run's final val loss what its metrics.jsonl ends with (checked for
+    the run folders that are here: a summary may travel without them)."""
+    keys, lr_key = summary["keys"], summary["lr_key"]
+    for p in summary["lr_points"]:
+        at_best = {**{k: p[k] for k in keys}, lr_key: p["best_lr"]}
+        runs = {str(r["seed"]): final_loss(r) for r in summary["runs"]
+                if p["best_lr"] is not None and matches(r, at_best)}
+        stored = {str(s): math.inf if v is None else v for s, v in p["seed_losses"].items()}
+        if stored != runs:
+            return f"point {at_best}: seed_losses {p['seed_losses']}, its runs' final losses {runs}"
+    for r in summary["runs"]:
+        evals = [m for m in load_metrics(str(r.get("out_dir"))) if m.get("kind") == "eval"]
+        if evals and evals[-1].get("val_loss") != r["val_loss"]:
+            return f"{r['out_dir']}: final val loss {r['val_loss']}, its metrics.jsonl {evals[-1].get('val_loss')}"
+    return None
 
 
 def summary_type_error(summary: dict) -> str | None:

@@ -355,6 +355,30 @@ def test_leaderboard_withholds_the_verdict_between_different_setups(tmp_path):
     assert same["verdict"].startswith("contradicted")  # the seed count is not a setup
 
 
+def test_leaderboard_refuses_a_summary_that_disagrees_with_its_runs(tmp_path, capsys):
+    """A seed's loss edited in summary.json (the verdict reads those), or a run's final loss that its
+    metrics.jsonl no longer ends with (a run changed since), is refused, not compared."""
+    root = tmp_path / "sweep"
+    lr_sweep(root, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("3e-3", [2.03, 2.05, 2.01])})
+    path, command = root / "summary.json", ["--leaderboard", str(root), "--baseline", "norm_scheme=pre"]
+    summary = json.loads(path.read_text())
+    assert sweep.main(command) == 0
+    capsys.readouterr()
+    edited = json.loads(path.read_text())
+    edited["lr_points"][1]["seed_losses"]["2"] -= 0.5
+    path.write_text(json.dumps(edited))
+    assert sweep.main(command) == 2
+    assert "does not agree with its runs (point {'norm_scheme': 'post', 'learning_rate': '3e-3'}: seed_losses" in (
+        capsys.readouterr().err)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 4, "val_loss": 1.5}) + "\n")
+    summary["runs"][0]["out_dir"] = str(run)
+    path.write_text(json.dumps(summary))
+    assert sweep.main(command) == 2
+    assert f"{run}: final val loss {summary['runs'][0]['val_loss']}, its metrics.jsonl 1.5" in capsys.readouterr().err
+
+
 def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
     fragile = curve("1e-3", [2.5, None, 2.48])
     lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": fragile})
@@ -365,12 +389,18 @@ def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
 def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
     lr_sweep(tmp_path / "a", {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, baseline=None)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-    for r in summary["runs"]:  # seeds 1, 2, 3 become 3, 1, 2: seed 3 ran every rate
-        r["seed"] = {1: 3, 2: 1, 3: 2}[r["seed"]]
+    renamed = {1: 3, 2: 1, 3: 2}  # seeds 1, 2, 3 become 3, 1, 2: seed 3 ran every rate
+    for r in summary["runs"]:
+        r["seed"] = renamed[r["seed"]]
+    for p in summary["lr_points"]:  # kept in agreement with the runs (read_lr_summary checks it)
+        p["seed_losses"] = {str(renamed[int(s)]): v for s, v in p["seed_losses"].items()}
     (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
     lr_sweep(tmp_path / "b", {"post": curve("3e-3", [2.5, 2.52, 2.48])}, baseline=None)
-    for r in (b := json.loads((tmp_path / "b" / "summary.json").read_text()))["runs"]:
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    for r in b["runs"]:
         r["seed"] += 3  # seeds 4, 5, 6
+    for p in b["lr_points"]:
+        p["seed_losses"] = {str(int(s) + 3): v for s, v in p["seed_losses"].items()}
     (tmp_path / "b" / "summary.json").write_text(json.dumps(b))
     ax = plot.draw_lr_sensitivity([str(tmp_path / "a"), str(tmp_path / "b")]).axes[0]
     drawn = [line for line in ax.get_lines() if line.get_linestyle() == "-" and line.get_label()[0] != "_"]
