@@ -52,9 +52,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -89,6 +91,7 @@ from train_config import (
     resolve_device,
 )
 
+T = TypeVar("T")
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
 EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
 TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
@@ -129,32 +132,50 @@ class LostRanks(RuntimeError):
     """A collective failed: another rank stalled past dist_timeout, or ended. main() prints one line, exit 1."""
 
 
+# how gloo reports a rank that stalled past dist_timeout ("Timed out waiting ...", or "Application timeout
+# caused pair closure" from an async all-reduce's wait) and one that ended ("Connection closed/reset by peer")
+STALLED_SIGNS, ENDED_SIGNS = ("timed out", "timeout caused pair closure"), ("closed by peer", "reset by peer")
+
+
 def lost_ranks(error: RuntimeError, cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> LostRanks | None:
-    """What a failed collective means for the user, or None for an error of another kind. Gloo raises
-    "Timed out waiting ..." (NCCL's watchdog ends the process itself, with its own message)."""
+    """What a failed collective means for the user, or None for an error of another kind (NCCL's watchdog
+    ends the process itself, with its own message)."""
     what = " ".join(str(error).split())[:200]
-    if "timed out" in what.lower():
+    if any(sign in what.lower() for sign in STALLED_SIGNS):
         return LostRanks(f"rank {ddp.rank} waited more than dist_timeout={cfg.dist_timeout:g}s for the other ranks: "
                          "one of them stalled (hung I/O, a stuck device) or died. The last checkpoint is kept; fix "
                          "the cause and continue with --init_from=resume, or raise --dist_timeout if a step can "
                          f"legitimately take that long ({what})")
+    if any(sign in what.lower() for sign in ENDED_SIGNS):
+        return LostRanks(f"rank {ddp.rank} lost its connection to another rank, which ended (killed, out of memory, "
+                         "or an error: see that rank's output). The last checkpoint is kept; continue with "
+                         f"--init_from=resume ({what})")
     if stop.received:  # torchrun sends SIGTERM to the others when a rank ends: they cannot reach a common stop
         return LostRanks(f"rank {ddp.rank} got {stop.received}, but another rank had ended already ({what}); "
                          "the last checkpoint is kept")
     return None
 
 
+def agreed(action: Callable[[], T], device: str, what: str) -> T:
+    """action() on every rank (often rank 0's alone does anything); a ConfigError on any rank stops them all
+    with exit 2, so that none is left waiting in a collective for a rank that has gone."""
+    result, error = None, None
+    try:
+        result = action()
+    except ConfigError as e:
+        error = e
+    ok = torch.tensor(float(error is None), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        raise error or ConfigError(f"rank 0 could not {what} (see its message)")
+    return result
+
+
 @contextlib.contextmanager
 def claim_out_dir(out_dir: str, ddp: Dist, device: str):
     """Rank 0 holds out_dir's lock for the whole run; every rank learns whether it got it, so all stop together."""
-    lock, error = None, None
-    if ddp.master:
-        try:
-            lock = OutDirLock(out_dir)
-        except ConfigError as e:
-            error = e
-    if not all_ranks(torch.tensor(float(error is None), device=device), ddp, dist.ReduceOp.MIN).item():
-        raise error or ConfigError(f"rank 0 could not claim out_dir {out_dir!r} (see its message)")
+    lock = agreed(lambda: OutDirLock(out_dir) if ddp.master else None, device, f"claim out_dir {out_dir!r}")
     try:
         yield
     finally:
@@ -243,10 +264,8 @@ class TextData:
     def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
         self.path = path = os.path.join(cfg.data_dir, cfg.dataset)
         if not os.path.exists(os.path.join(path, "meta.json")) and cfg.dataset in prepare_data.EMBEDDED_DATASETS:
-            if master:
-                prepare_embedded(cfg.dataset, cfg.data_dir)
-            if dist.is_initialized():
-                dist.barrier()
+            agreed(lambda: prepare_embedded(cfg.dataset, cfg.data_dir) if master else None, device,
+                   f"prepare {cfg.dataset}")  # the others wait for rank 0's
         try:
             self.meta = prepare_data.load_meta(path)
         except (FileNotFoundError, ValueError) as e:
@@ -766,7 +785,9 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     if cfg.compile:
         model = torch.compile(model)
     if ddp.world_size > 1:
-        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None)
+        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to broadcast, and
+        # a broadcast in each forward would hang an evaluation in which some ranks get no batch
+        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
 
     start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
     # a stop save at an evaluation iteration precedes its evaluation: the resumed run evaluates and saves it
@@ -782,9 +803,10 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    log = MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None, wandb_run,
-                     reevaluates=evaluates_at(cfg, iter_num),  # then the log's line for it goes: it is written again
-                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None)
+    log = agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None,
+                                    wandb_run, reevaluates=evaluates_at(cfg, iter_num),  # its line is written again
+                                    logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
+                 device, f"continue {METRICS_NAME}")
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size

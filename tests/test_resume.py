@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,26 @@ def wait_for_train_iter(out_dir: str, proc: subprocess.Popen, log_path: str, ite
 def finish(procs: list[tuple[subprocess.Popen, str]]) -> None:
     for proc, log_path in procs:
         assert proc.wait(timeout=300) == 0, read(log_path)
+
+
+def test_two_ranks_evaluate_with_fewer_batches_than_ranks_and_stop_together_on_rank_0s_input_error(data_dir,
+                                                                                                     tmp_path):
+    """RoPE's tables are buffers: with one eval batch, rank 1 evaluates none, and a buffer broadcast in rank 0's
+    forward would never be matched (a hang until dist_timeout). Then a resume whose metrics.jsonl is gone, which
+    only rank 0 reads: both ranks stop with its message and exit 2, none with a traceback."""
+    out = str(tmp_path / "run")
+    args = tiny_run_args(data_dir, out, max_iters=2, eval_interval=2, eval_iters=1, pos="rope", dist_timeout=60,
+                         gradient_accumulation_steps=2)
+    proc = launch(2, args, f"{out}.log")
+    assert proc.wait(timeout=120) == 0, read(f"{out}.log")
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    proc = launch(2, [*args, "--init_from=resume", "--max_iters=4"], f"{out}.resumed.log")
+    assert proc.wait(timeout=120) != 0
+    log = read(f"{out}.resumed.log")
+    assert not re.search(r'File "[^"]*(train|run_files)\.py", line', log), log  # torchrun's own traceback only
+    assert log.count("metrics.jsonl is missing") == 1, log
+    assert "error: rank 0 could not continue metrics.jsonl (see its message)" in log, log
+    assert log.count("exitcode  : 2") == 2, log  # torchrun's summary of each worker
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
