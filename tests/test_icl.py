@@ -4,6 +4,7 @@ Statistical checks use a 5-sigma tolerance computed from the sample size, so a c
 implementation fails about once in 10^6 runs; all seeds are fixed, so runs are reproducible.
 """
 
+import dataclasses
 import math
 import re
 import sys
@@ -22,10 +23,12 @@ from icl_task import (
     icl_loss,
     least_squares_predictions,
     pair_errors,
+    posterior_ridge,
     sample_well_conditioned,
     split_losses,
     token_dim,
 )
+from train_config import TrainConfig
 
 D = 5
 
@@ -324,3 +327,70 @@ def test_the_demo_refuses_a_seed_train_py_refuses(monkeypatch, capsys, seed):
         icl_task.main()
     assert stop.value.code == 2
     assert re.search(rf"error: --seed {seed} must lie in \[0, 2\*\*32\)", capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- eval sets, noise, bounds
+
+def small_task(**changes) -> LeastSquaresTask:
+    """The task as train.py builds it from TrainConfig's defaults, at a tiny size."""
+    cfg = dataclasses.replace(TrainConfig(), **{**dict(batch_size=16, icl_pairs=8, icl_eval_batches=4), **changes})
+    return LeastSquaresTask(cfg, {}, "cpu")
+
+
+def test_eval_sets_are_independent_of_each_other_and_of_the_first_training_batches():
+    # "val" picks checkpoints and "train" reports the fit: both must be draws of their own, and a set
+    # that repeats training batches would score memorized sequences. Independent draws of W are never
+    # equal, so any equal pair means a shared random stream.
+    task = small_task()
+    train_set, val_set = task.eval_sets["train"], task.eval_sets["val"]
+    assert len(train_set) == len(val_set) == 4
+    seen = [task.train_batch(i, k) for i in range(4) for k in range(4)]
+    for a in train_set:
+        for b in val_set:
+            assert not torch.equal(a.W, b.W) and not torch.equal(a.tokens, b.tokens)
+    for e in train_set + val_set:
+        for s in seen:
+            assert not torch.equal(e.W, s.W) and not torch.equal(e.tokens, s.tokens)
+
+
+def test_default_noise_is_spec_value_and_training_batches_carry_it_on_x_only():
+    # SPEC §4 / Bir et al. §4.1: N(0, 0.01^2) noise on the x values stored in x-tokens; targets noise-free
+    assert TrainConfig().icl_noise_std == 0.01
+    task = small_task(batch_size=256, icl_pairs=16, icl_eval_batches=1)
+    for batch in (task.train_batch(0, 0), task.eval_sets["val"][0]):
+        x_seen = at(batch.tokens, batch.x_pos)[..., 2:2 + D]
+        y_seen = at(batch.tokens, batch.y_pos)[..., 2 + D:2 + 2 * D]
+        assert torch.equal(y_seen, batch.X @ batch.W)  # y exactly linear in the clean x (same float32 op)
+        noise = (x_seen - batch.X).double().flatten()
+        n = noise.numel()  # 20480 draws: the std estimate has relative error 1/sqrt(2n) = 0.5%
+        assert abs(noise.std().item() / 0.01 - 1) < 5 / math.sqrt(2 * n)
+        assert abs(noise.mean().item()) < 5 * 0.01 / math.sqrt(n)
+
+
+def test_posterior_ridge_is_dim_times_noise_variance():
+    # noise e ~ N(0, s^2 I) on x turns y = x W into y = x_seen W - e W: per y coordinate a noise of
+    # variance s^2 * E sum_j W_jk^2 = s^2 * D * (1/D) = s^2. With the prior W ~ N(0, 1/D) the posterior
+    # mean is ridge with lambda = noise variance / prior variance = s^2 / (1/D) = D s^2.
+    assert posterior_ridge(5, 0.01) == pytest.approx(5 * 0.01**2, rel=1e-12)
+    assert posterior_ridge(3, 0.2) == pytest.approx(3 * 0.2**2, rel=1e-12)
+    assert posterior_ridge(8, 0.0) == 0.0
+
+
+def test_logged_bounds_are_pooled_over_every_sequence_and_pair_of_the_val_set():
+    # best_xy_loss: the posterior-mean ridge (lambda = D s^2) averaged over every (b, t) of every xy
+    # sequence in the val set; best_loss: the same with yx pairs (copyable) scoring 0, over all sequences
+    task = small_task(icl_pairs=12)
+    lam = D * 0.01**2
+    best_xy, best_all, ridge_all = [], [], []
+    for batch in task.eval_sets["val"]:
+        err = pair_errors(least_squares_predictions(batch, lam), batch).double()
+        xy = batch.order == 0
+        best_xy.append(err[xy])
+        best_all.append(torch.where(xy[:, None], err, torch.zeros_like(err)))
+        ridge_all.append(err)
+    n_xy = [len(e) for e in best_xy]
+    assert len(set(n_xy)) > 1  # unequal xy counts per batch, so the pooling weights matter
+    # the same float32 errors averaged in float64 in another grouping: rounding only
+    assert task.bounds["best_xy_loss"] == pytest.approx(torch.cat(best_xy).mean().item(), rel=1e-9)
+    assert task.bounds["best_loss"] == pytest.approx(torch.cat(best_all).mean().item(), rel=1e-9)
+    assert task.bounds["ridge_loss"] == pytest.approx(torch.cat(ridge_all).mean().item(), rel=1e-9)

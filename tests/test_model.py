@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import GeodesicStep, HeadwiseRMSNorm, ScaledAdd, geonorm_decay
+from layers import GeodesicStep, HeadwiseRMSNorm, ScaledAdd, apply_rope, geonorm_decay, rope_tables
 from model import (
     ELEMENTWISE_NORMS,
     GPT,
@@ -110,6 +110,49 @@ def test_bad_config_values_name_the_valid_choices():
         GPTConfig(combine="mul")
 
 
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """x (..., T, head_dim), each position t rotated by R_t with the tables the attention registers."""
+    cos, sin = rope_tables(x.shape[-1], x.shape[-2], base)
+    return apply_rope(x, cos, sin)
+
+
+def test_rope_is_a_rotation_that_keeps_the_norms_of_q_and_k():
+    x = torch.randn(2, 3, 32, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rotated = rope_rotate(x)
+    # an orthogonal map keeps every token's norm; the float32 tables' cos^2 + sin^2 is 1 to ~1e-7
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1), rtol=1e-6, atol=0)
+    assert not torch.allclose(rotated[..., 1:, :], x[..., 1:, :], atol=1e-3)  # and it moves every position but 0
+
+
+def test_rope_attention_logit_depends_only_on_the_offset():
+    """<R_i q, R_j k> = <q, R_(j-i) k>: a function of j - i alone (RoFormer eq. 16)."""
+    T, d = 32, 16
+    q, k = torch.randn(2, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rq, rk = rope_rotate(q.expand(T, d)), rope_rotate(k.expand(T, d))  # the same q and k at every position
+    logit = rq @ rk.T  # logit[i, j] = <R_i q, R_j k>
+    # the angles t * f come from float32 tables: each rounds by up to 31 * 2^-24 ~ 2e-6 rad, so a logit of
+    # size |q| |k| ~ 16 may move by ~1e-4 between position pairs of one offset
+    for offset in range(-T + 1, T):
+        same = logit.diagonal(offset)
+        torch.testing.assert_close(same, same[:1].expand_as(same), rtol=0, atol=1e-4)
+    torch.testing.assert_close(logit[5, 2], logit[20, 17], rtol=0, atol=1e-4)  # offset 3, two places
+    assert abs(logit[5, 2] - logit[9, 2]) > 0.1  # offsets 3 and 7 give different logits
+
+
+@pytest.mark.parametrize("head_dim, base", [(16, 10000.0), (8, 500.0)])
+def test_rope_tables_rotate_pair_i_at_frequency_base_to_the_minus_2i_over_d(head_dim, base):
+    length = 32
+    cos, sin = rope_tables(head_dim, length, base)
+    freq = torch.tensor([base ** (-2 * i / head_dim) for i in range(head_dim // 2)], dtype=torch.float64)
+    angle = torch.arange(length, dtype=torch.float64)[:, None] * freq  # position t, pair i: t * base^(-2i/d)
+    # float32 tables: an angle of up to 31 rad rounds by ~2e-6, cos and sin add ~1e-7
+    torch.testing.assert_close(cos.double(), angle.cos(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin.double(), angle.sin(), rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- Pre-Norm and eq. 13
 
 
@@ -199,6 +242,19 @@ def test_geonorm_a_and_b_receive_gradients():
         assert step.a.requires_grad and step.a.dtype == torch.float32
         assert step.a.grad is not None and step.a.grad.abs() > 0
         assert step.b.grad is not None and step.b.grad.abs() > 0
+
+
+def test_geonorm_defaults_are_harmonic_decay_and_a_pi_over_4_clamp():
+    """SPEC §2: decay(l) = 1 / (l + 1) (the paper's best) and c = pi/4 (App. C's best) unless set."""
+    assert (GPTConfig().geonorm_decay, GPTConfig().geonorm_clamp) == ("harmonic", pytest.approx(math.pi / 4))
+    model = geonorm_model()  # no geonorm_* key given
+    # an update orthogonal to x and 1e3 times longer saturates theta at c, so theta' = c * decay(l) exactly
+    x = torch.randn(8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    s = 1e3 * torch.randn(8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for l, block in enumerate(model.blocks):
+        for update in (block.attn, block.mlp):
+            theta = update.combine.angle(x, s)[0]
+            torch.testing.assert_close(theta, torch.full_like(theta, math.pi / 4 / (l + 1)), rtol=1e-12, atol=0)
 
 
 def eq5_reference(x: np.ndarray, s: np.ndarray, a: float, b: float, decay: float, c: float,
@@ -317,6 +373,20 @@ def test_deepnorm_alpha_and_init_gains():
         assert pooled_std(name + ".weight") == pytest.approx(gain * math.sqrt(2 / fans), rel=0.04), name
 
 
+def test_deepnorm_init_draws_normal_not_uniform_entries():
+    """DeepNet's init is Xavier-normal: excess kurtosis 0, where Xavier-uniform's (same std) is -1.2."""
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="deepnorm", n_layer=1, n_embd=128, n_head=4))
+    matrices = {n: p.detach().double().flatten() for n, p in model.blocks[0].named_parameters() if p.dim() == 2}
+    assert len(matrices) == 6
+    for name, w in matrices.items():
+        z = (w - w.mean()) / w.std()
+        excess_kurtosis = z.pow(4).mean().item() - 3
+        # sampling sd of a normal sample's excess kurtosis is sqrt(24 / n): 0.038 for a 128 x 128 matrix,
+        # 0.019 for the MLP's 65k entries; 0.2 is over 5 sd and 1.0 short of the uniform's -1.2
+        assert abs(excess_kurtosis) < 0.2, (name, excess_kurtosis)
+
+
 def test_gpt2_init_scales_residual_projections():
     L = 4
     torch.manual_seed(0)
@@ -325,6 +395,45 @@ def test_gpt2_init_scales_residual_projections():
     fc = torch.cat([b.mlp.sublayer.fc.weight.flatten() for b in model.blocks])
     assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * L), rel=0.03)  # 65k samples
     assert fc.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+# ----------------------------------------------------------------------------- final norm
+
+
+# Whether each row normalizes the stream before the output head. SPEC §2's table and §8 name it for: post,
+# deepnorm (the last block already ends in N), lipschitz, none, rezero ("no norms") and ngpt ("no final
+# norm") without; pre, pre_alt, sandwich, geonorm, dnt, peri and speedrun ("before head") with. SPEC is
+# silent on olmo2, mixln, lns and hybrid: their value is model.py's row (README: olmo2 "final N"; mixln and
+# lns end Pre-Norm; hybrid's last update is its un-normed FFN).
+FINAL_NORM = {
+    "post": False, "pre": True, "pre_alt": True, "deepnorm": False, "sandwich": True, "geonorm": True,
+    "dnt": True, "lipschitz": False, "none": False, "peri": True, "olmo2": True, "mixln": True, "lns": True,
+    "hybrid": True, "rezero": False, "speedrun": True, "ngpt": False,
+}
+
+
+def test_final_norm_table_covers_every_scheme():
+    assert set(FINAL_NORM) == set(SCHEMES)
+
+
+@pytest.mark.parametrize("scheme", sorted(FINAL_NORM))
+def test_head_input_is_the_normalized_last_block_output_exactly_where_the_scheme_has_a_final_norm(scheme):
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme=scheme)).double()
+    seen = {}
+    hooks = [model.blocks[-1].register_forward_hook(lambda m, args, out: seen.__setitem__("last", out)),
+             model.lm_head.register_forward_pre_hook(lambda m, args: seen.__setitem__("head", args[0]))]
+    with torch.no_grad():
+        model(tokens(), tokens(seed=1))
+    for hook in hooks:
+        hook.remove()
+    if FINAL_NORM[scheme]:
+        # a LayerNorm at init (unit gain, zero bias) of the last block's output: float64 rounding only
+        torch.testing.assert_close(seen["head"], layer_norm(seen["last"]), rtol=0, atol=1e-12)
+        assert not torch.equal(seen["head"], seen["last"])
+    else:
+        # no op in between: the very values (a Post-Norm stream normalized twice would move by ~eps)
+        assert torch.equal(seen["head"], seen["last"])
 
 
 # ----------------------------------------------------------------------------- DNT
@@ -389,6 +498,43 @@ def test_attention_logits_grow_with_w_q_unless_qk_norm_bounds_them(scheme):
         assert after[0] == pytest.approx(before[0], rel=1e-4)
         assert after[0] <= attn.scale * attn.head_dim * (1 + 1e-5)
     assert len(max_attention_logits(GPT(tiny(norm_scheme="ngpt")), idx)) == 3  # nGPT's attention too
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def test_max_attention_logits_is_the_largest_causal_logit_computed_by_hand():
+    torch.manual_seed(0)
+    model, idx = GPT(tiny(bias=False)), tokens()
+    inputs = []
+    hooks = [b.attn.sublayer.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+             for b in model.blocks]
+    with torch.no_grad():
+        model(idx)
+    for hook in hooks:
+        hook.remove()
+    causal_max, any_max = [], []
+    with torch.no_grad():
+        for block, x in zip(model.blocks, inputs, strict=True):
+            attn = block.attn.sublayer
+            q, k = heads(attn.q_proj(x).double(), 2), heads(attn.k_proj(x).double(), 2)
+            logits = q @ k.transpose(-1, -2) / math.sqrt(16)  # (B, H, i, j), head_dim 16
+            causal_max.append(max(logits[..., i, j].max().item() for i in range(16) for j in range(i + 1)))
+            any_max.append(logits.max().item())
+    # float32 q, k in the model: 16-term dot products round to ~1e-6 of |q| |k|, the logits' own scale
+    assert max_attention_logits(model, idx) == pytest.approx(causal_max, rel=1e-5, abs=1e-7)
+    assert any(a > c + 1e-3 for a, c in zip(any_max, causal_max, strict=True))  # the future holds larger ones
+
+
+def test_block_activation_rms_is_the_root_mean_square_of_each_block_output():
+    torch.manual_seed(0)
+    model, idx = GPT(tiny()), tokens()
+    with torch.no_grad():
+        stream = residual_stream(model, idx)
+    expected = [math.sqrt(x.double().square().mean().item()) for x in stream[1:]]
+    assert all(r < 0.5 for r in expected)  # well below 1, where an RMS and its square are far apart
+    # float32 sums of 1024 squares: ~1e-6 relative
+    assert block_activation_rms(model, idx) == pytest.approx(expected, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- Lipschitz block

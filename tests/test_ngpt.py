@@ -252,3 +252,38 @@ def test_output_scale_folded_into_the_weight_rows_has_the_gradients_of_scaling_t
     for ours, exact in zip(torch.autograd.grad(folded, inputs, upstream),
                            torch.autograd.grad(on_output, inputs, upstream), strict=True):
         torch.testing.assert_close(ours, exact, rtol=1e-12, atol=1e-12)
+
+
+def test_each_matrix_has_unit_vectors_along_the_embedding_axis_by_name_at_init_and_after_a_step():
+    """nGPT §2.6: a matrix that reads the stream (q, k, v, the MLP's u and v maps, the embeddings and the
+    output head) has unit rows of length d; one that writes the stream (attention's W_o, the MLP's W_o)
+    has unit columns of length d. The axis is stated here per matrix, not read from the model."""
+    d = 32
+    rows = ("q_proj", "k_proj", "v_proj", "fc", "gate")  # weight (out, d): each row a vector in R^d
+    cols = ("out_proj", "proj")  # weight (d, in): each column a vector in R^d
+    model = tiny_ngpt()
+
+    def check(atol: float) -> None:
+        seen = set()
+        for name, w in model.named_parameters():
+            if w.ndim != 2:
+                continue
+            leaf = name.split(".")[-2]
+            if leaf in rows or name in ("wte.weight", "lm_head.weight"):
+                assert w.shape[1] == d, name
+                norms = w.detach().norm(dim=1)
+            else:
+                assert leaf in cols and w.shape[0] == d, name
+                norms = w.detach().norm(dim=0)
+            torch.testing.assert_close(norms, torch.ones_like(norms), atol=atol, rtol=0, msg=name)
+            seen.add(leaf)
+        assert seen == set(rows) | set(cols) | {"wte", "lm_head"}
+
+    check(atol=1e-6)  # normalized in float32 at construction: |norm - 1| ~ 1e-7
+    opt = optim.build_optimizer(model, "adamw", lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu")
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(5))
+    model(idx, idx)[1].backward()
+    opt.step()
+    model.apply_parameter_constraints()
+    # float64 weights renormalized: rounding ~1e-16; an lr-0.1 step off the sphere would be off by ~1e-1
+    check(atol=1e-12)

@@ -67,6 +67,19 @@ def test_dyt_alpha_starts_at_its_place_value_and_the_embedding_is_scaled():
     assert isinstance(GPT(tiny(norm="derf", embed_scale=False)).embed_scale, nn.Identity)
 
 
+@pytest.mark.parametrize("norm, kind, squash", [("dyt", DynamicTanh, torch.tanh), ("derf", DynamicErf, torch.erf)])
+def test_dyt_and_derf_start_as_squash_of_half_x_with_alpha_one_half_and_zero_shift(norm, kind, squash):
+    """SPEC §8: alpha starts at 0.5 in every norm, Derf's shift s at 0, so each op is f(x / 2) at init
+    (gain 1, bias 0) unless a per-place alpha is given."""
+    model = GPT(tiny(norm=norm, norm_scheme="sandwich"))
+    ops = [m for m in model.modules() if isinstance(m, kind)]
+    assert len(ops) == 4 * 3 + 1  # pre- and mid-norm of both updates in 3 blocks, and the final norm
+    x = 4 * torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    for op in ops:
+        assert op.alpha.item() == 0.5 and (norm == "dyt" or op.shift.item() == 0.0)
+        torch.testing.assert_close(op(x), squash(x / 2))  # float32 rounding
+
+
 # ----------------------------------------------------------------------------- placements
 
 
@@ -110,6 +123,15 @@ def test_mixln_first_blocks_normalize_after_the_residual_and_the_others_before(n
     stream = residual_stream(model, tokens())
     for x in stream[1:n_post + 1]:
         torch.testing.assert_close(x.var(-1, unbiased=False), torch.ones(2, 16), atol=1e-3, rtol=0)
+
+
+def test_mixln_by_default_makes_the_first_quarter_of_the_blocks_post_norm():
+    """Mix-LN's alpha is 0.25 (SPEC §8): floor(0.25 L) Post-Norm blocks first, 2 of 8, 1 of 4 or 6, 0 of 3."""
+    assert GPTConfig().mixln_fraction == 0.25
+    for n_layer, n_post in [(8, 2), (6, 1), (4, 1), (3, 0)]:
+        model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer))  # no mixln_fraction given
+        post = [isinstance(update.post_norm, nn.LayerNorm) for b in model.blocks for update in (b.attn, b.mlp)]
+        assert post == [True] * 2 * n_post + [False] * 2 * (n_layer - n_post), n_layer
 
 
 def test_lns_pre_norm_output_in_block_l_is_pre_norm_output_over_sqrt_l():

@@ -51,12 +51,29 @@ def step_inputs(dtype=torch.float64, shape=(2, 6, 16), seed=0, parallel_token=Fa
     return x, s
 
 
-@pytest.mark.parametrize("a, b, decay, clamp", [(1.0, 0.0, 1.0, math.pi / 4), (0.7, 0.05, 0.5, math.pi / 4),
-                                                (1.3, -0.4, 1 / 3, math.pi / 8), (-2.0, 0.1, 1.0, math.pi / 2)])
+def upper_clamp_binds(x, s, a: float, b: float, decay: float, clamp: float) -> torch.Tensor:
+    """Per token: whether eq. 5's final min(., c) cuts the angle, (a min(||v|| / ||x||, c) + b) decay > c."""
+    radius = torch.linalg.vector_norm(x, dim=-1)
+    tangent = s - ((x * s).sum(-1) / radius**2)[..., None] * x
+    ratio = torch.linalg.vector_norm(tangent, dim=-1) / radius
+    return (a * ratio.clamp_max(clamp) + b) * decay > clamp
+
+
+# upper_binds: on how many tokens of `step_inputs` the upper clamp sets theta' = c ("none", "some", "all");
+# there theta' does not depend on a, b or the tangent's length, so their gradients through the angle vanish
+@pytest.mark.parametrize("a, b, decay, clamp, upper_binds", [
+    (1.0, 0.0, 1.0, math.pi / 4, "none"), (0.7, 0.05, 0.5, math.pi / 4, "none"),
+    (1.3, -0.4, 1 / 3, math.pi / 8, "none"), (-2.0, 0.1, 1.0, math.pi / 2, "none"),
+    (10.0, 0.0, 1.0, math.pi / 4, "some"),  # long tangents clamped, the two short ones (angle ~0.04) not
+    (1.0, 1.0, 1.0, math.pi / 4, "all"),  # every token, the short-tangent ones included
+])
 @pytest.mark.parametrize("sides", ["upper", "both"])
-def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp, sides):
+def test_geodesic_step_forward_and_gradients_equal_eq5(a, b, decay, clamp, upper_binds, sides):
     lowest = -clamp if sides == "both" else -math.inf
     x, s = step_inputs()
+    binds = upper_clamp_binds(x, s, a, b, decay, clamp)
+    n_bound = int(binds.sum())
+    assert {"none": n_bound == 0, "some": 0 < n_bound < binds.numel(), "all": n_bound == binds.numel()}[upper_binds]
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     results = []
     for fn in (GeodesicStepFunction.apply, eq5_autograd):
