@@ -608,20 +608,29 @@ def test_dist_timeout_reaches_the_process_group(monkeypatch):
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}
 
 
-def test_a_collective_timeout_is_told_in_one_line(monkeypatch, capsys):
-    """What gloo raises when a peer does not answer within the timeout, as main() reports it (exit 1)."""
-    def stalled(*args):
-        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv operation")
+@pytest.mark.parametrize("gloo_says, told", [
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv operation",
+     "waited more than dist_timeout=7s for the other ranks: one of them stalled"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure",  # Muon's wait
+     "waited more than dist_timeout=7s for the other ranks: one of them stalled"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:28561",
+     "lost its connection to another rank, which ended"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer", "lost its connection"),
+])
+def test_a_lost_rank_is_told_in_one_line(monkeypatch, capsys, gloo_says, told):
+    """What gloo raises when a peer stalls past the timeout or is gone, as main() reports it (exit 1)."""
+    def lost(*args):
+        raise RuntimeError(gloo_says)
 
     monkeypatch.setattr(train, "setup_distributed", lambda cfg: (train.Dist(1, 1, 2), "cpu"))
     monkeypatch.setattr(train, "claim_out_dir", lambda *args: contextlib.nullcontext())
-    monkeypatch.setattr(train, "run", stalled)
+    monkeypatch.setattr(train, "run", lost)
     monkeypatch.setattr(sys, "argv", ["train.py", "--dist_timeout=7"])
     with pytest.raises(SystemExit) as exit_info:
         train.main()
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and err.count("\n") == 1
-    assert err.startswith("error: rank 1 waited more than dist_timeout=7s for the other ranks: one of them stalled")
+    assert err.startswith(f"error: rank 1 {told}")
 
 
 STALL_SCRIPT = """
