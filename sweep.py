@@ -937,17 +937,18 @@ def read_lr_summary(root: str) -> dict:
     if wrong:
         raise SweepError(f"{path}: {wrong}, not what a --lr_grid sweep writes (edited by hand?); run the sweep's "
                          "command again to rewrite it")
-    stale = summary_mismatch(summary)
+    stale = summary_mismatch(root, summary)
     if stale:
         raise SweepError(f"{path} does not agree with its runs ({stale}): it was edited, or runs changed since it "
                          "was written; run the sweep's command again to rewrite it")
     return summary
 
 
-def summary_mismatch(summary: dict) -> str | None:
+def summary_mismatch(root: str, summary: dict) -> str | None:
     """Where an lr summary disagrees with itself or its runs, or None: each point's seed_losses must be its runs'
-    final losses at its best rate, and each run's final val loss what its metrics.jsonl ends with (checked for
-    the run folders that are here: a summary may travel without them)."""
+    final losses at its best rate, and each run's final val loss what its metrics.jsonl ends with. A run is
+    looked for in root under its folder's name (the sweep may have been moved since), and checked if it is
+    there: a summary may travel without its runs."""
     keys, lr_key = summary["keys"], summary["lr_key"]
     for p in summary["lr_points"]:
         at_best = {**{k: p[k] for k in keys}, lr_key: p["best_lr"]}
@@ -957,9 +958,12 @@ def summary_mismatch(summary: dict) -> str | None:
         if stored != runs:
             return f"point {at_best}: seed_losses {p['seed_losses']}, its runs' final losses {runs}"
     for r in summary["runs"]:
-        evals = [m for m in load_metrics(str(r.get("out_dir"))) if m.get("kind") == "eval"]
+        if not isinstance(r.get("out_dir"), str):
+            continue
+        out_dir = os.path.join(root, os.path.basename(os.path.normpath(r["out_dir"])))
+        evals = [m for m in load_metrics(out_dir) if m.get("kind") == "eval"]
         if evals and evals[-1].get("val_loss") != r["val_loss"]:
-            return f"{r['out_dir']}: final val loss {r['val_loss']}, its metrics.jsonl {evals[-1].get('val_loss')}"
+            return f"{out_dir}: final val loss {r['val_loss']}, its metrics.jsonl {evals[-1].get('val_loss')}"
     return None
 
 

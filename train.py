@@ -263,9 +263,10 @@ class TextData:
 
     def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
         self.path = path = os.path.join(cfg.data_dir, cfg.dataset)
-        if not os.path.exists(os.path.join(path, "meta.json")) and cfg.dataset in prepare_data.EMBEDDED_DATASETS:
-            agreed(lambda: prepare_embedded(cfg.dataset, cfg.data_dir) if master else None, device,
-                   f"prepare {cfg.dataset}")  # the others wait for rank 0's
+        if cfg.dataset in prepare_data.EMBEDDED_DATASETS:  # made on first use by rank 0, while the others wait
+            missing = not os.path.exists(os.path.join(path, "meta.json"))
+            agreed(lambda: prepare_embedded(cfg.dataset, cfg.data_dir) if master and missing else None, device,
+                   f"prepare {cfg.dataset}")
         try:
             self.meta = prepare_data.load_meta(path)
         except (FileNotFoundError, ValueError) as e:
@@ -691,7 +692,7 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     path = checkpoint_to_load(cfg)
     if path is not None:
         try:
-            return checked_contents(load_checkpoint(path, device), cfg.out_dir)
+            return checked_contents(load_checkpoint(path, device), cfg)
         except ConfigError as e:
             if os.path.basename(path) != LAST_CHECKPOINT_NAME:
                 raise
@@ -711,15 +712,18 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
     return None
 
 
+# what a resumed run reads, and its type (an evaluation reads all but the optimizer state)
 CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "model_args": dict, "config": dict, "iter_num": int,
-                     "best_val_loss": float}  # what a resumed or eval-only run reads, and its type
+                     "best_val_loss": float}
 
 
-def checked_contents(checkpoint: dict, out_dir: str) -> dict:
-    """The checkpoint, if it holds every field a resumed or eval-only run reads (checked before anything is built)."""
-    wrong = [k for k, kind in CHECKPOINT_FIELDS.items() if not isinstance(checkpoint.get(k), kind)]
+def checked_contents(checkpoint: dict, cfg: TrainConfig) -> dict:
+    """The checkpoint, if it holds every field this resumed or eval-only run reads (checked before anything is
+    built)."""
+    needed = {k: kind for k, kind in CHECKPOINT_FIELDS.items() if k != "optimizer" or not cfg.eval_only}
+    wrong = [k for k, kind in needed.items() if not isinstance(checkpoint.get(k), kind)]
     if wrong:
-        raise foreign_checkpoint(out_dir, KeyError(f"{', '.join(wrong)} missing or of another type"))
+        raise foreign_checkpoint(cfg.out_dir, KeyError(f"{', '.join(wrong)} missing or of another type"))
     return checkpoint
 
 
@@ -758,7 +762,9 @@ def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
                           "with another --out_dir")
     if checkpoint["config"].get("dataset") != cfg.dataset:
         return
-    changed = [f"{k} {saved[k]!r} -> {task.data.meta.get(k)!r}" for k in ("source", "train_tokens", "val_tokens")
+    # token counts, not the source: meta.json records --input as typed, so the same file from another folder
+    # differs there (text changed at the same counts passes unnoticed)
+    changed = [f"{k} {saved[k]!r} -> {task.data.meta.get(k)!r}" for k in ("train_tokens", "val_tokens")
                if k in saved and saved[k] != task.data.meta.get(k)]
     if changed:
         raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(changed)})"

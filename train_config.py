@@ -350,14 +350,14 @@ def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
 
 def check_vector_shape(cfg: TrainConfig, model_args: dict) -> None:
     """in_features and out_features belong to the task: the least-squares task sets them from its dimension,
-    a language model has none (and no embed_fan_in)."""
+    a language model has none."""
     from icl_task import token_dim
 
-    if cfg.task == "lm":
-        given = [k for k in ("in_features", "out_features", "embed_fan_in") if model_args.get(k) is not None]
+    if cfg.task == "lm":  # (embed_fan_in alone changes nothing there: ineffective_settings warns of it)
+        given = [k for k in ("in_features", "out_features") if model_args.get(k) is not None]
         if given:
-            raise ConfigError(f"{', '.join(given)} describe{'s' * (len(given) == 1)} a model of vector tokens, "
-                              "which only task='icl' trains; drop them (a language model reads token ids)")
+            raise ConfigError(f"{' and '.join(given)} set a model of vector tokens, which only task='icl' trains; "
+                              "drop them (a language model reads token ids)")
         return
     shape = {"in_features": (token_dim(cfg.icl_dim, cfg.icl_bias_feature), "features per token"),
              "out_features": (cfg.icl_dim, "values per prediction")}

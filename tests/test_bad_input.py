@@ -72,7 +72,7 @@ def config_file(tmp_path, text: str) -> str:
     (lambda tmp: ["--branch_scale=0"], r"branch_scale=0\.0 must be positive"),
     (lambda tmp: ["--task=icl", "--embed_fan_in=-1"], r"embed_fan_in=-1 must be at least 1"),  # was a traceback
     (lambda tmp: ["--in_features=3", "--out_features=3"],  # was a shape error in the first step
-     r"in_features, out_features describe a model of vector tokens, which only task='icl' trains"),
+     r"in_features and out_features set a model of vector tokens, which only task='icl' trains"),
     (lambda tmp: ["--task=icl", "--in_features=20", "--out_features=5"],
      r"in_features=20 does not fit the least-squares task, which has 13 features per token \(icl_dim=5"),
     (lambda tmp: ["--task=icl", "--in_features=13", "--out_features=3"],

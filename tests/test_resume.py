@@ -557,6 +557,18 @@ def test_a_checkpoint_of_another_version_is_refused_by_train_and_sample(straight
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_eval_only_needs_no_optimizer_state(straight_run, data_dir, tmp_path):
+    """A checkpoint kept without its optimizer state (to save space) still evaluates; resuming it is refused."""
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    state = run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")
+    del state["optimizer"]
+    run_files.save_checkpoint(str(out / "ckpt.pt"), state)
+    assert train.train(tiny_run_args(data_dir, str(out), **STOP_SETTINGS, eval_only=True)) == 0
+    with pytest.raises(train.ConfigError, match="optimizer missing or of another type"):
+        train.train(tiny_run_args(data_dir, str(out), **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume"))
+
+
 def test_resume_without_metrics_is_refused(straight_run, data_dir, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight_run, out)

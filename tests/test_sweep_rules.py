@@ -370,10 +370,10 @@ def test_leaderboard_refuses_a_summary_that_disagrees_with_its_runs(tmp_path, ca
     assert sweep.main(command) == 2
     assert "does not agree with its runs (point {'norm_scheme': 'post', 'learning_rate': '3e-3'}: seed_losses" in (
         capsys.readouterr().err)
-    run = tmp_path / "run"
+    run = root / "learning_rate=1e-3,seed=1"  # found under the summary's root, wherever the sweep ran from
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 4, "val_loss": 1.5}) + "\n")
-    summary["runs"][0]["out_dir"] = str(run)
+    summary["runs"][0]["out_dir"] = os.path.join("elsewhere", run.name)
     path.write_text(json.dumps(summary))
     assert sweep.main(command) == 2
     assert f"{run}: final val loss {summary['runs'][0]['val_loss']}, its metrics.jsonl 1.5" in capsys.readouterr().err
