@@ -791,9 +791,9 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     if cfg.compile:
         model = torch.compile(model)
     if ddp.world_size > 1:
-        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to broadcast, and
-        # a broadcast in each forward would hang an evaluation in which some ranks get no batch
-        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, broadcast_buffers=False)
+        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to sync in a forward,
+        # and a sync there would hang an evaluation in which some ranks get no batch
+        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, forward_sync_buffers=False)
 
     start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
     # a stop save at an evaluation iteration precedes its evaluation: the resumed run evaluates and saves it

@@ -163,7 +163,10 @@ def test_two_ranks_evaluate_with_fewer_batches_than_ranks_and_stop_together_on_r
     assert not re.search(r'File "[^"]*(train|run_files)\.py", line', log), log  # torchrun's own traceback only
     assert log.count("metrics.jsonl is missing") == 1, log
     assert "error: rank 0 could not continue metrics.jsonl (see its message)" in log, log
-    assert log.count("exitcode  : 2") == 2, log  # torchrun's summary of each worker
+    # torchrun's summary of each worker: the one that stops first exits 2, and torchrun may end the other
+    # with SIGTERM before it has (-15)
+    assert "exitcode  : 2" in log and set(re.findall(r"exitcode  : (-?\d+)", log)) <= {"2", "-15"}, log
+    assert "FutureWarning" not in log, log
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
