@@ -146,18 +146,15 @@ def finish(procs: list[tuple[subprocess.Popen, str]]) -> None:
         assert proc.wait(timeout=300) == 0, read(log_path)
 
 
-def test_two_ranks_evaluate_with_fewer_batches_than_ranks_and_stop_together_on_rank_0s_input_error(data_dir,
-                                                                                                     tmp_path):
-    """RoPE's tables are buffers: with one eval batch, rank 1 evaluates none, and a buffer broadcast in rank 0's
-    forward would never be matched (a hang until dist_timeout). Then a resume whose metrics.jsonl is gone, which
-    only rank 0 reads: both ranks stop with its message and exit 2, none with a traceback."""
+def test_two_ranks_stop_together_on_an_input_error_only_rank_0_sees(straight_run, data_dir, tmp_path):
+    """A resume whose metrics.jsonl is gone, which only rank 0 reads: both ranks stop with its message and
+    exit 2, none with a traceback or waiting in a collective for a rank that has gone."""
     out = str(tmp_path / "run")
-    args = tiny_run_args(data_dir, out, max_iters=2, eval_interval=2, eval_iters=1, pos="rope", dist_timeout=60,
-                         gradient_accumulation_steps=2)
-    proc = launch(2, args, f"{out}.log")
-    assert proc.wait(timeout=120) == 0, read(f"{out}.log")
+    shutil.copytree(straight_run, out)
     os.remove(os.path.join(out, "metrics.jsonl"))
-    proc = launch(2, [*args, "--init_from=resume", "--max_iters=4"], f"{out}.resumed.log")
+    args = tiny_run_args(data_dir, out, **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume", dist_timeout=60,
+                         gradient_accumulation_steps=2)
+    proc = launch(2, args, f"{out}.resumed.log")
     assert proc.wait(timeout=120) != 0
     log = read(f"{out}.resumed.log")
     assert not re.search(r'File "[^"]*(train|run_files)\.py", line', log), log  # torchrun's own traceback only
@@ -183,8 +180,10 @@ def test_killed_run_resumes_exactly(data_dir, tmp_path, optimizer, nproc, delay,
     check (log_interval=1: the next iteration), rank 0 saves that iteration, and both exit cleanly.
     Two processes: resuming the killed run on one process (same global batch) agrees to 1e-5."""
     killed, straight, one = (str(tmp_path / name) for name in ("killed", "straight", "one"))
+    # RoPE's tables are buffers, and with one eval batch rank 1 of two evaluates none: a buffer sync in rank
+    # 0's eval forward would never be matched (a hang until dist_timeout)
     settings = dict(optimizer=optimizer, dropout=0.1, gradient_accumulation_steps=2, lr_decay_iters=40,
-                    eval_interval=4)
+                    eval_interval=4, pos="rope", eval_iters=1)
     proc = launch(nproc, tiny_run_args(data_dir, killed, max_iters=10**6, **settings), f"{killed}.log")
     try:
         wait_for_train_iter(killed, proc, f"{killed}.log", 5)
