@@ -124,25 +124,30 @@ def time_interleaved(cases: dict[str, Callable[[], None]], device: str, rounds: 
     return times
 
 
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
-    """A distribution-free confidence interval for the median: the k-th smallest and k-th largest
-    value, with k the largest rank whose binomial(n, 1/2) tail stays below (1 - confidence) / 2.
-    With too few values for that confidence it is the whole range."""
-    xs, n = sorted(values), len(values)
+def median_rank(n: int, confidence: float = 0.95) -> int:
+    """The largest k whose binomial(n, 1/2) tail P(Bin <= k - 1) stays below (1 - confidence) / 2: the k-th
+    smallest and k-th largest of n values bound their median at that confidence. 0 when even the whole
+    range does not (fewer than 6 values for 95%)."""
     k, tail = 0, 0.0
     while k < n // 2:
         tail += math.comb(n, k) / 2**n  # P(Bin(n, 1/2) <= k)
         if tail > (1 - confidence) / 2:
             break
         k += 1
-    k = max(k, 1)
+    return k
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median (see median_rank). With too few values for
+    that confidence it is the whole range."""
+    xs, n = sorted(values), len(values)
+    k = max(median_rank(n, confidence), 1)
     return xs[k - 1], xs[n - k]
 
 
 def has_median_interval(n: int, confidence: float = 0.95) -> bool:
-    """Whether n values bound the median at that confidence: even their whole range covers it only with
-    probability 1 - 2 / 2**n (at least 6 values for 95%)."""
-    return 1 - 2 / 2**n >= confidence
+    """Whether n values bound their median at that confidence."""
+    return median_rank(n, confidence) > 0
 
 
 def ratio_spread(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:

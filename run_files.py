@@ -35,6 +35,10 @@ RUN_FILE_PATTERNS = ("ckpt*.pt", "ckpt*.pt.sha256", "ckpt*.tmp", "metrics.jsonl*
 # ----------------------------------------------------------------------------- the out_dir lock
 
 
+class OutDirInUse(ConfigError):
+    """Another process holds the out_dir's lock."""
+
+
 class OutDirLock:
     """An exclusive lock on out_dir for as long as this object lives (flock on out_dir/.lock). The kernel
     drops an flock when its process ends, even by SIGKILL, so a dead run never leaves its folder locked."""
@@ -58,7 +62,7 @@ class OutDirLock:
         except BlockingIOError:
             pid = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
-            raise ConfigError(f"{flag[2:]} {out_dir!r} is in use by another {holder} (process {pid} holds "
+            raise OutDirInUse(f"{flag[2:]} {out_dir!r} is in use by another {holder} (process {pid} holds "
                               f"{self.path}); wait for it to end, stop it, or choose another {flag}") from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"{os.getpid()}\n".encode())
@@ -315,13 +319,17 @@ class MetricsLog:
         try:
             with open(self.path, "rb") as f:
                 lines = f.readlines()
-            # the lines the checkpoint's save came after (its evaluation is logged after the save)
-            history = sum(self._before_resume(line, resume_iter) for line in lines)
+            places = [self._place(line) for line in lines]
+            # the lines the checkpoint's save came after: before its iteration, and that iteration's train line
+            # (its evaluation is logged after the save)
+            history = sum(p is not None and (p[0] < resume_iter or p == (resume_iter, "train")) for p in places)
             if lines and logged_lines is not None and history < logged_lines:
                 raise ConfigError(f"{self.path} holds {history} lines up to iter {resume_iter}, but it held "
                                   f"{logged_lines} when the checkpoint was saved: it was cut short or edited since. "
                                   "Restore it, or empty it (: > FILE) to go on without its history")
-            kept = [line for line in lines if self._before_resume(line, resume_iter, reevaluates)]
+            kept_there = ("train",) if reevaluates else ("train", "eval")  # the resumed run logs the rest again
+            kept = [line for line, p in zip(lines, places, strict=True)
+                    if p is not None and (p[0] < resume_iter or p[0] == resume_iter and p[1] in kept_there)]
             with open(self.path + ".tmp", "wb") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)
@@ -331,19 +339,17 @@ class MetricsLog:
                               "aside or fix its permissions") from None
 
     @staticmethod
-    def _before_resume(line: bytes, resume_iter: int, reevaluates: bool = True) -> bool:
-        """Keep the lines before the resumed iteration, and its train line (and its evaluation unless the
-        resumed run evaluates there again); a line that is not a JSON object with an integer iter (cut short
-        by a kill mid-write, or corrupted) goes too."""
+    def _place(line: bytes) -> tuple[int, object] | None:
+        """(iter, kind) of one line; None for a line that is not a JSON object with an integer iter (cut short
+        by a kill mid-write, or corrupted): a resumed run drops it. A line without iter counts as iter 0."""
         try:
             record = json.loads(line)
         except ValueError:  # not JSON, or not UTF-8
-            return False
+            return None
         it = record.get("iter", 0) if isinstance(record, dict) else None
         if not isinstance(it, int) or isinstance(it, bool):
-            return False
-        kept_there = ("train",) if reevaluates else ("train", "eval")  # the resumed run logs the rest again
-        return it < resume_iter or (it == resume_iter and record.get("kind") in kept_there)
+            return None
+        return it, record.get("kind")
 
     def write(self, **record) -> None:
         if not self.enabled:

@@ -70,7 +70,15 @@ from dataclasses import asdict
 import train
 from model import GPTConfig
 from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
-from run_files import CHECKPOINT_NAME, LAST_CHECKPOINT_NAME, LOCK_NAME, OutDirLock, previous_run_files, write_atomically
+from run_files import (
+    CHECKPOINT_NAME,
+    LAST_CHECKPOINT_NAME,
+    LOCK_NAME,
+    OutDirInUse,
+    OutDirLock,
+    previous_run_files,
+    write_atomically,
+)
 from train_config import ConfigError, TrainConfig, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -432,17 +440,18 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
 def busy_runs(jobs: list[dict]) -> list[str]:
     """The out_dirs of the jobs whose folder lock another process holds (a train.py started by hand, or left
     running by a sweep that was killed); the lock is taken and released at once. A folder that was never
-    locked is not touched."""
+    locked is not touched, and one that cannot be locked for another reason is left to train.py to report
+    in the run's log."""
     busy = []
     for job in jobs:
         if not os.path.exists(os.path.join(job["out_dir"], LOCK_NAME)):
             continue
-        if not os.access(job["out_dir"], os.W_OK):
-            continue  # not in use, but not writable: train.py says so in the run's log
         try:
             OutDirLock(job["out_dir"]).release()
-        except ConfigError:
+        except OutDirInUse:
             busy.append(job["out_dir"])
+        except ConfigError:
+            continue
     return busy
 
 
