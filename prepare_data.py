@@ -3,7 +3,7 @@ Tokenize a text corpus into flat token files that train.py reads.
 
 Each dataset is a folder data/<name>/ with
     train.bin, val.bin   token ids back to back (uint16, or uint32 for vocabularies over 65536)
-    meta.json            tokenizer, vocab_size, dtype, token counts, source (written last)
+    meta.json            tokenizer, vocab_size, dtype, token counts, each .bin's SHA-256, source (written last)
 
 Documents end with GPT-2's end-of-text token (50256); with the char tokenizer they end with a
 blank line instead. A dataset is complete only when meta.json exists and its token counts
@@ -536,9 +536,10 @@ def download_shards(source: str, count: int, num_proc: int | None = None) -> lis
     return [folder / name for name in names]
 
 
-def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> int:
-    """Concatenate the tokens of shards into path, checking each id; returns the number written."""
-    n_tokens = 0
+def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> tuple[int, str]:
+    """Concatenate the tokens of shards into path, checking each id; returns the number written and the
+    file's SHA-256."""
+    n_tokens, digest = 0, hashlib.sha256()
     with open(path, "wb") as f:
         for shard in shards:
             count = shard_token_count(shard)
@@ -552,11 +553,13 @@ def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> int:
                 if block.max() >= GPT2_VOCAB_SIZE:
                     raise ValueError(f"{shard} holds token id {block.max()}, outside GPT-2's vocabulary "
                                      f"of {GPT2_VOCAB_SIZE}: it is not a GPT-2 shard")
-                block.astype(np.uint16).tofile(f)
+                block = block.astype(np.uint16)
+                block.tofile(f)
+                digest.update(block)
             n_tokens += count
         f.flush()
         os.fsync(f.fileno())
-    return n_tokens
+    return n_tokens, digest.hexdigest()
 
 
 def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]], source: str,
@@ -566,7 +569,7 @@ def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]
     for path in chain(*shards.values()):  # every header and size, before anything is copied
         shard_token_count(path)
 
-    def write_bins(work: Path) -> dict[str, int]:
+    def write_bins(work: Path) -> dict[str, tuple[int, str]]:
         return {split: _copy_shards(work / f"{split}.bin", shards[split], max_tokens) for split in ("train", "val")}
 
     meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": source, "eot_token": GPT2_EOT}
@@ -684,9 +687,10 @@ def _token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder, max_tokens: int | None) -> int:
-    """Tokenize docs into path, chunk by chunk; returns the number of tokens written."""
-    n_tokens = 0
+def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder,
+                 max_tokens: int | None) -> tuple[int, str]:
+    """Tokenize docs into path, chunk by chunk; returns the number of tokens written and the file's SHA-256."""
+    n_tokens, digest = 0, hashlib.sha256()
     total = len(docs) if isinstance(docs, Sized) else None
     with open(path, "wb") as f, tqdm(total=total, desc=path.stem, unit="doc",
                                      disable=None) as bar:
@@ -694,13 +698,14 @@ def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder, max_tok
             if max_tokens is not None:
                 ids = ids[: max_tokens - n_tokens]
             ids.tofile(f)
+            digest.update(ids)
             n_tokens += ids.size
             bar.update(n_docs)
             if max_tokens is not None and n_tokens >= max_tokens:
                 break
         f.flush()
         os.fsync(f.fileno())
-    return n_tokens
+    return n_tokens, digest.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -796,21 +801,25 @@ def _work_folder(out: Path) -> Iterator[Path]:
             lock_path.unlink(missing_ok=True)
 
 
-def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, int]],
+def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, tuple[int, str]]],
                       meta: dict) -> dict:
-    """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus
-    the dtype and token counts), then rename the folder to out. Returns the full meta."""
+    """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus the
+    dtype, token counts and each file's SHA-256), then rename the folder to out. Returns the full meta.
+
+    The digests name the data a checkpoint was trained on: a resume compares them (train.check_same_data)
+    without reading the files again."""
     check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _work_folder(out) as work:
-        counts = write_bins(work)
-        for split, count in counts.items():
+        written = write_bins(work)
+        for split, (count, _) in written.items():
             if count == 0:
                 raise ValueError(f"the {split} split of {meta['source']} is empty: give more text, "
                                  "or a larger --val_fraction")
         meta = {"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
-                "dtype": _token_dtype(meta["vocab_size"]), "train_tokens": counts["train"],
-                "val_tokens": counts["val"], **meta}
+                "dtype": _token_dtype(meta["vocab_size"]), "train_tokens": written["train"][0],
+                "val_tokens": written["val"][0], "train_sha256": written["train"][1],
+                "val_sha256": written["val"][1], **meta}
         _write_json(work / "meta.json", meta)
         _swap_in(work, out, force)
     return meta
@@ -835,7 +844,7 @@ def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
     check_target(Path(out_dir), force)  # before any process is started
     with chunk_encoder(tokenizer, dtype, num_proc) as encoder:
 
-        def write_bins(work: Path) -> dict[str, int]:
+        def write_bins(work: Path) -> dict[str, tuple[int, str]]:
             return {split: _write_split(work / f"{split}.bin", splits[split], encoder, max_tokens)
                     for split in ("train", "val")}
 

@@ -745,6 +745,14 @@ def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None
     return replace(cfg, compact_vocab=compact), {**checkpoint["model_args"], **model_args}
 
 
+SPLIT_FINGERPRINT = ("train_tokens", "val_tokens", "train_sha256", "val_sha256")  # meta.json's, per split
+
+
+def short(value: object) -> str:
+    """A meta.json value for a message: a digest by its first 12 hex digits."""
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else repr(value)
+
+
 def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
     """A resumed or evaluated model reads token ids as its training data defined them: another dataset is
     fine only if the same ids mean the same tokens (same tokenizer, characters and compact ids). The
@@ -762,9 +770,9 @@ def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
                           "with another --out_dir")
     if checkpoint["config"].get("dataset") != cfg.dataset:
         return
-    # token counts, not the source: meta.json records --input as typed, so the same file from another folder
-    # differs there (text changed at the same counts passes unnoticed)
-    changed = [f"{k} {saved[k]!r} -> {task.data.meta.get(k)!r}" for k in ("train_tokens", "val_tokens")
+    # the token files' counts and digests, not the source: meta.json records --input as typed, so the same
+    # file from another folder differs there (a dataset prepared before digests were recorded has counts only)
+    changed = [f"{k} {short(saved[k])} -> {short(task.data.meta.get(k))}" for k in SPLIT_FINGERPRINT
                if k in saved and saved[k] != task.data.meta.get(k)]
     if changed:
         raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(changed)})"

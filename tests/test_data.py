@@ -1,6 +1,7 @@
 """Tests of prepare_data.py: tokenizers, the Shakespeare corpus, and safe dataset writing."""
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -192,6 +193,14 @@ def test_write_dataset_round_trips_documents(tmp_path, name, char_tokenizer):
     assert meta["dtype"] == "uint16" and load_meta(tmp_path / "d") == meta
     assert meta["eot_token"] == (50256 if name == "gpt2" else None)
     assert ("chars" in meta) == (name == "char")
+    assert_digests_name_the_files(tmp_path / "d")
+
+
+def assert_digests_name_the_files(folder) -> None:
+    """meta.json's digest of each split is the SHA-256 of the .bin file as written (a resume compares them)."""
+    meta = load_meta(folder)
+    for split in ("train", "val"):
+        assert meta[f"{split}_sha256"] == hashlib.sha256((Path(folder) / f"{split}.bin").read_bytes()).hexdigest()
 
 
 def fake_tokenizer(vocab_size: int) -> Tokenizer:
@@ -702,6 +711,7 @@ def test_shard_folder_becomes_a_dataset(tmp_path, shard_folder):
     capped = Path(prepare("fw", input=str(folder), data_dir=str(tmp_path / "data"), max_tokens=1003, force=True))
     assert read_tokens(capped, "train").tolist() == train[:1003].tolist()  # the cap reaches into shard 2
     assert leftovers(tmp_path / "data") == []
+    assert_digests_name_the_files(out)
 
 
 def test_hub_shards_download_only_the_files_asked_for(tmp_path, monkeypatch, shard_folder):

@@ -143,17 +143,22 @@ def test_resume_refuses_a_dataset_whose_token_ids_mean_other_characters(tmp_path
                                      init_from="resume")) == 0
 
 
-def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path):
-    """The same name and characters, more training text: the run would go on with other data than it
-    started on, so resume and eval_only stop and change nothing."""
+@pytest.mark.parametrize("text, repeats, changed", [
+    ("abcdefgh", 30, r"train_tokens 182 -> 272, train_sha256 [0-9a-f]{12}\.\.\. -> [0-9a-f]{12}\.\.\."),
+    ("hgfedcba", 20, r"train_sha256 [0-9a-f]{12}\.\.\. -> [0-9a-f]{12}\.\.\., val_sha256 "),
+], ids=["more text", "other text of the same length"])
+def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path, text, repeats, changed):
+    """The same name and characters, other training text (more of it, or as much in another order, which
+    the token counts alone would miss): the run would go on with other data than it started on, so resume
+    and eval_only stop and change nothing."""
     char_dataset(tmp_path, "first", "abcdefgh")
     out = tmp_path / "run"
     assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=2, eval_interval=2)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    char_dataset(tmp_path, "first", "abcdefgh", force=True, repeats=30)
+    char_dataset(tmp_path, "first", text, force=True, repeats=repeats)
     for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
         with pytest.raises(train.ConfigError, match=r"first was prepared again since this checkpoint was saved "
-                                                    r"\(train_tokens 182 -> 272\)"):
+                                                    rf"\({changed}"):
             train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", eval_interval=2, **change))
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
