@@ -107,6 +107,19 @@ class ConfigError(ValueError):
 ADAMW_SIDE = ("adamw", "muon", "manifold_muon")  # optimizers that update some parameters with AdamW's betas
 MATRIX_OPTIMIZERS = ("muon", "manifold_muon")
 
+def places_norm(m: GPTConfig) -> bool:
+    """Whether the model has a norm of type `norm` anywhere: on the input, before, inside or after a sub-layer, at
+    the end (the q/k/v norms are RMSNorms whatever `norm` says)."""
+    s = m.scheme
+    return bool(s.input_norm or s.pre_norm != "none" or s.mid_norm or s.post_norm or s.final_norm
+                or s.first_blocks != "same")
+
+
+def normalizes_heads(m: GPTConfig) -> bool:
+    """Whether q, k (or v) go through an RMSNorm (nGPT's sphere attention normalizes them its own way)."""
+    return bool((m.scheme.qk_norm or m.scheme.v_norm) and not m.scheme.hypersphere)
+
+
 # When a key has an effect, given the run's TrainConfig t and GPTConfig m, and that condition in words. A key
 # set to a value other than its default where it has none prints one warning line; a new key is one row.
 TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = {
@@ -138,6 +151,13 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     **{key: (lambda t, m: t.task == "icl", "task='icl'")
        for key in ("icl_pairs", "icl_dim", "icl_noise_std", "icl_order", "icl_bias_feature", "icl_eval_batches")},
     "dnt_setting": (lambda t, m: m.norm_scheme == "dnt", "norm_scheme='dnt'"),
+    "norm": (lambda t, m: places_norm(m), "a scheme with input, pre, mid, post or final norms"),
+    "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ("dyt", "derf") or normalizes_heads(m),
+                 "LayerNorm, RMSNorm or head-wise norms, or q/k/v norms"),
+    "norm_affine": (lambda t, m: places_norm(m) or normalizes_heads(m), "a scheme with norms"),
+    "qk_norm_span": (lambda t, m: normalizes_heads(m), "qk_norm or v_norm"),
+    "post_norm_at": (lambda t, m: m.scheme.post_norm, "post_norm"),
+    "pre_norm_scale": (lambda t, m: m.scheme.pre_norm != "none", "pre_norm"),
     "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp_sides": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),

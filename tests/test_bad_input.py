@@ -191,6 +191,24 @@ def test_a_setting_without_effect_prints_one_warning_line(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("args, unused", [
+    (["--norm_scheme=none", "--norm=rmsnorm", "--norm_eps=1e-6"], ["norm", "norm_eps"]),  # no norm anywhere
+    (["--norm_scheme=ngpt", "--norm=rmsnorm", "--qk_norm_span=all"], ["norm", "qk_norm_span"]),  # its own unit norms
+    (["--norm_scheme=pre", "--qk_norm_span=all", "--post_norm_at=attn"], ["qk_norm_span", "post_norm_at"]),
+    (["--norm=dyt", "--norm_eps=1e-6"], ["norm_eps"]),  # DyT divides by nothing
+    (["--norm_scheme=lipschitz", "--norm_affine=False"], ["norm_affine"]),
+    (["--norm_scheme=geonorm", "--pre_norm_scale=1/sqrt(l)"], ["pre_norm_scale"]),
+    (["--norm_scheme=dnt", "--norm=dyt", "--norm_eps=1e-6"], []),  # its q/k RMSNorms take the eps
+    (["--norm_scheme=rezero", "--qk_norm=True", "--norm_eps=1e-6", "--norm_affine=False"], []),
+    (["--norm_scheme=mixln", "--norm=rmsnorm", "--qk_norm=True", "--qk_norm_span=all"], []),
+])
+def test_a_norm_setting_the_scheme_never_uses_is_named(capsys, args, unused):
+    train.load_config(args)
+    err = capsys.readouterr().err
+    named = re.findall(r"(\w+) \(only with", err)
+    assert named == unused, err
+
+
 def test_every_effect_condition_names_a_config_key_and_runs_on_defaults():
     """A row for a misspelt key would never fire; every condition must evaluate on the default configs."""
     keys = {*train_config.TRAIN_KEYS, *train_config.MODEL_KEYS}
