@@ -219,7 +219,7 @@ def draw_panel(ax, runs: dict[str, list[dict]], labels: dict[str, str], metric: 
             ys = smooth(ys, smooth_n) if smooth_n > 1 else ys
             color = f"C{(j if part else i) % 10}"
             marker = "o" if len(xs) < 30 else None  # a short curve's points, even a single one, show
-            ax.plot(xs, ys, color=color, label=part or labels[d], linewidth=1.5, marker=marker, markersize=3)
+            ax.plot(xs, ys, color=color, label=literal(part or labels[d]), linewidth=1.5, marker=marker, markersize=3)
             if stop is not None:
                 ax.plot(stop if x == "iter" else xs[-1], ys[-1], "x", color=color, markersize=10, mew=2)
             drawn += 1
@@ -245,7 +245,8 @@ def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], met
                 ax.plot(diverged_at(runs[d]) if x == "iter" else finite[-1][0], finite[-1][1], "x", color=color,
                         markersize=10, mew=2)
         if not trained:
-            ax.plot([], [], color=color, linestyle="--", label=f"{label} (every one of {len(dirs)} seeds diverged)")
+            ax.plot([], [], color=color, linestyle="--",
+                    label=f"{literal(label)} (every one of {len(dirs)} seeds diverged)")
             continue
         series = [points[d] for d in trained]
         xs = sorted(set.intersection(*(set(c) for c in series)))
@@ -254,7 +255,7 @@ def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], met
         diverged = f"; {len(dirs) - len(trained)} diverged: dashed, x" if len(trained) < len(dirs) else ""
         mean = [sum(c[v] for c in series) / len(series) for v in xs]
         ax.plot(xs, mean, color=color, marker="o", markersize=3,
-                label=f"{label} (mean of {len(trained)} seeds{diverged})")
+                label=f"{literal(label)} (mean of {len(trained)} seeds{diverged})")
         ax.fill_between(xs, [min(c[v] for c in series) for v in xs], [max(c[v] for c in series) for v in xs],
                         color=color, alpha=0.25, linewidth=0)
     return len(groups)
@@ -286,13 +287,13 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
             draw_panel(ax, runs, labels, metric, x, smooth_n)
         for name, value in (references or {}).items():
             ax.axhline(value, color="0.4", linestyle="--", linewidth=1)
-            ax.annotate(f"{name} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
-                        color="0.3", va="bottom")
+            ax.annotate(f"{literal(name)} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"),
+                        fontsize="small", color="0.3", va="bottom")
         if not drawn:
             logged = sorted({key for records in runs.values() for r in records if r.get("kind") != "status"
                              for key, v in r.items() if isinstance(v, (int, float, list)) and key != "iter"})
             raise PlotError(f"no run logged '{metric}' against '{x}'; logged: {', '.join(logged)}")
-        ax.set(xlabel=x, ylabel=metric, title=metric if len(runs) > 1 else f"{metric}: {labels[out_dirs[0]]}")
+        ax.set(xlabel=x, ylabel=metric, title=metric if len(runs) > 1 else f"{metric}: {literal(labels[out_dirs[0]])}")
         if logy:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -417,7 +418,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         best = point.get("best_lr")
         mean_std = point.get("val_loss_mean_std") or "-"
         ax.plot(xs, [curves[label][x] for x in xs], "o-", color=color, markersize=4,
-                label=f"{label}: {mean_std} at lr {best}" if best is not None else f"{label}: every rate failed")
+                label=literal(f"{label}: {mean_std} at lr {best}" if best is not None
+                              else f"{label}: every rate failed"))
         if failed.get(label):  # each curve's x a little lower than the last, so that none hides another
             y = top - 0.012 * i * (high - low or 1.0)
             ax.plot(failed[label], [y] * len(failed[label]), "x", color=color, markersize=8, mew=2)
@@ -427,7 +429,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
                         capsize=5, marker="s", markersize=7, markerfacecolor="none")
     for name, value in refs.items():
         ax.axhline(value, color="0.4", linestyle="--", linewidth=1)
-        ax.annotate(f"{name} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
+        ax.annotate(f"{literal(name)} {value:.4f}", (0.01, value), xycoords=("axes fraction", "data"), fontsize="small",
                     color="0.3", va="bottom")
     if failed:
         ax.annotate("x: diverged, crashed, or ended above 3x the median loss", (0.01, top),
@@ -451,7 +453,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     hidden = hidden_curves(curves)
     if hidden:
         title += "\nhidden under another curve: " + "; ".join(f"{a} under {b}" for a, b in hidden)
-    fig.suptitle(f"{heading}\n{title}" if heading else title, fontsize="small")
+    fig.suptitle(f"{heading}\n{literal(title)}" if heading else literal(title), fontsize="small")
     return fig
 
 
@@ -506,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     return 0
+
+
+def literal(text: str) -> str:
+    """text as matplotlib should draw it, $ signs and all: a run's name or a setting is not math."""
+    return text.replace("$", r"\$")
 
 
 def check_title(title: str) -> None:

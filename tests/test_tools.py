@@ -280,6 +280,21 @@ def test_plot_adds_png_to_an_out_without_extension_and_says_so(tmp_path, capsys)
     assert capsys.readouterr().out == f"wrote {written}\n" and written.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_dollar_signs_in_run_names_and_references_are_drawn_as_text(tmp_path, capsys):
+    """Matplotlib parses the text between two $ as math; "$x^{$" would fail to draw (a crash at savefig)."""
+    runs = [tmp_path / "lr$x^{$a", tmp_path / "lr$x^{$b"]
+    for run in runs:
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n'
+                                           '{"kind": "eval", "iter": 1, "val_loss": 1.0}\n')
+    for chosen in (runs[:1], runs):  # one run: its name in the title; two: in the legend
+        out = tmp_path / f"fig{len(chosen)}.png"
+        assert plot.main([*map(str, chosen), "--ref", "$base{$=1.5", "--out", str(out)]) == 0, capsys.readouterr().err
+        assert out.read_bytes()[:4] == b"\x89PNG"
+    legend = plot.draw(list(map(str, runs)), ["val_loss"]).axes[0].get_legend().get_texts()
+    assert [t.get_text() for t in legend] == [r"lr\$x^{\$a", r"lr\$x^{\$b"]
+
+
 def test_seed_means_draw_one_curve_per_setting_with_its_mean_and_band(tmp_path, monkeypatch):
     losses = {("pre", 1): [4.0, 3.0, 2.0], ("pre", 2): [4.2, 3.2, 2.4], ("ngpt", 1): [4.0, 2.5, 2.2],
               ("ngpt", 2): [4.0, 2.7, 2.2]}
