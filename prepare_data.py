@@ -25,7 +25,8 @@ Usage:
     python prepare_data.py shakespeare --force            # rebuild; the old copy stays until done
                                                           # (--force replaces a prepared dataset only)
 
---num_proc N tokenizes with N processes (any source); the result is byte-identical to one process.
+--num_proc N tokenizes with N processes (any source); the result is byte-identical to one process,
+but for a --streaming source cut by --max_tokens, whose val split holds the documents read ahead.
 
 If your version of `datasets` cannot load a hub dataset, download its parquet files and pass
 the folder with --input. From Python (with num_proc > 1, from under `if __name__ == "__main__":`,

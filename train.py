@@ -771,9 +771,10 @@ def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
     if checkpoint["config"].get("dataset") != cfg.dataset:
         return
     # the token files' counts and digests, not the source: meta.json records --input as typed, so the same
-    # file from another folder differs there (a dataset prepared before digests were recorded has counts only)
-    changed = [f"{k} {short(saved[k])} -> {short(task.data.meta.get(k))}" for k in SPLIT_FINGERPRINT
-               if k in saved and saved[k] != task.data.meta.get(k)]
+    # file from another folder differs there; a dataset prepared before digests were recorded has counts only
+    now = task.data.meta
+    changed = [f"{k} {short(saved[k])} -> {short(now[k])}" for k in SPLIT_FINGERPRINT
+               if k in saved and k in now and saved[k] != now[k]]
     if changed:
         raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(changed)})"
                           ", so the run would not go on with the data it was trained on; prepare the data as it was, "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from model import GPTConfig
+from model import ELEMENTWISE_NORMS, GPTConfig
 
 
 @dataclass
@@ -109,10 +109,11 @@ MATRIX_OPTIMIZERS = ("muon", "manifold_muon")
 
 def places_norm(m: GPTConfig) -> bool:
     """Whether the model has a norm of type `norm` anywhere: on the input, before, inside or after a sub-layer, at
-    the end (the q/k/v norms are RMSNorms whatever `norm` says)."""
+    the end, or in the first blocks of Mix-LN (post) or HybridNorm* (pre); the q/k/v norms are RMSNorms whatever
+    `norm` says."""
     s = m.scheme
-    return bool(s.input_norm or s.pre_norm != "none" or s.mid_norm or s.post_norm or s.final_norm
-                or s.first_blocks != "same")
+    first_blocks = s.first_blocks == "pre" or s.first_blocks == "post" and math.floor(m.mixln_fraction * m.n_layer) > 0
+    return bool(s.input_norm or s.pre_norm != "none" or s.mid_norm or s.post_norm or s.final_norm or first_blocks)
 
 
 def normalizes_heads(m: GPTConfig) -> bool:
@@ -151,13 +152,14 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     **{key: (lambda t, m: t.task == "icl", "task='icl'")
        for key in ("icl_pairs", "icl_dim", "icl_noise_std", "icl_order", "icl_bias_feature", "icl_eval_batches")},
     "dnt_setting": (lambda t, m: m.norm_scheme == "dnt", "norm_scheme='dnt'"),
-    "norm": (lambda t, m: places_norm(m), "a scheme with input, pre, mid, post or final norms"),
+    # DyT and Derf also bring a gain on the embedding (see embed_scale), norms or not
+    "norm": (lambda t, m: places_norm(m) or m.norm in ELEMENTWISE_NORMS and m.embed_scale is None,
+             "a scheme with input, pre, mid, post or final norms"),
     "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ("dyt", "derf") or normalizes_heads(m),
                  "LayerNorm, RMSNorm or head-wise norms, or q/k/v norms"),
     "norm_affine": (lambda t, m: places_norm(m) or normalizes_heads(m), "a scheme with norms"),
     "qk_norm_span": (lambda t, m: normalizes_heads(m), "qk_norm or v_norm"),
     "post_norm_at": (lambda t, m: m.scheme.post_norm, "post_norm"),
-    "pre_norm_scale": (lambda t, m: m.scheme.pre_norm != "none", "pre_norm"),
     "geonorm_decay": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),
     "geonorm_clamp_sides": (lambda t, m: m.scheme.combine == "geodesic", "the geodesic step (norm_scheme='geonorm')"),

@@ -197,16 +197,38 @@ def test_a_setting_without_effect_prints_one_warning_line(capsys):
     (["--norm_scheme=pre", "--qk_norm_span=all", "--post_norm_at=attn"], ["qk_norm_span", "post_norm_at"]),
     (["--norm=dyt", "--norm_eps=1e-6"], ["norm_eps"]),  # DyT divides by nothing
     (["--norm_scheme=lipschitz", "--norm_affine=False"], ["norm_affine"]),
-    (["--norm_scheme=geonorm", "--pre_norm_scale=1/sqrt(l)"], ["pre_norm_scale"]),
+    (["--norm_scheme=none", "--first_blocks=post", "--n_layer=3", "--norm=rmsnorm"], ["norm"]),  # 0 Post-Norm blocks
+    (["--norm_scheme=none", "--first_blocks=post", "--n_layer=4", "--norm=rmsnorm"], []),  # floor(0.25 * 4) = 1
+    (["--norm_scheme=none", "--norm=dyt"], []),  # no norm, but DyT's gain on the embedding
+    (["--norm_scheme=none", "--norm=dyt", "--embed_scale=False"], ["norm"]),
+    (["--norm_scheme=geonorm", "--pre_norm_scale=1/sqrt(l)"], []),  # scales the sub-layer input, norm or not
     (["--norm_scheme=dnt", "--norm=dyt", "--norm_eps=1e-6"], []),  # its q/k RMSNorms take the eps
     (["--norm_scheme=rezero", "--qk_norm=True", "--norm_eps=1e-6", "--norm_affine=False"], []),
     (["--norm_scheme=mixln", "--norm=rmsnorm", "--qk_norm=True", "--qk_norm_span=all"], []),
 ])
 def test_a_norm_setting_the_scheme_never_uses_is_named(capsys, args, unused):
-    train.load_config(args)
+    """And what the warning names indeed changes nothing: the model built without those flags has the same
+    parameters and, from the same seed (weights perturbed, so a zero init hides nothing), the same output."""
+    _, model_args = train.load_config(args)
     err = capsys.readouterr().err
     named = re.findall(r"(\w+) \(only with", err)
     assert named == unused, err
+
+    def output(flags: list[str]) -> tuple[list, torch.Tensor]:
+        _, chosen = train.load_config(flags)
+        torch.manual_seed(0)
+        small = dict(n_layer=chosen.get("n_layer", 2), n_head=2, n_embd=16, block_size=8, vocab_size=32)
+        model = train.GPT(train.GPTConfig(**{**chosen, **small}))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            logits, _ = model(torch.arange(16).view(2, 8) % 32)
+        return [(k, v.shape) for k, v in model.state_dict().items()], logits
+
+    if unused:
+        kept = [a for a in args if a[2:].split("=")[0] not in unused]
+        (params, logits), (params_without, logits_without) = output(args), output(kept)
+        assert params == params_without and torch.equal(logits, logits_without)
 
 
 def test_every_effect_condition_names_a_config_key_and_runs_on_defaults():
