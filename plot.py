@@ -255,7 +255,7 @@ def draw_seed_means(ax, runs: dict[str, list[dict]], labels: dict[str, str], met
         diverged = f"; {len(dirs) - len(trained)} diverged: dashed, x" if len(trained) < len(dirs) else ""
         mean = [sum(c[v] for c in series) / len(series) for v in xs]
         ax.plot(xs, mean, color=color, marker="o", markersize=3,
-                label=f"{literal(label)} (mean of {len(trained)} seeds{diverged})")
+                label=f"{literal(label)} (mean of {len(trained)} seed{'s' if len(trained) > 1 else ''}{diverged})")
         ax.fill_between(xs, [min(c[v] for c in series) for v in xs], [max(c[v] for c in series) for v in xs],
                         color=color, alpha=0.25, linewidth=0)
     return len(groups)

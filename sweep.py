@@ -7,7 +7,7 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --dry_run   # print the commands
     python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
-    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \
+    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \\
         --seeds 1,2,3 --baseline norm_scheme=pre --out_root out/lr      # each scheme at its own best rate
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
 
@@ -27,8 +27,8 @@ rates (muon, manifold_muon):
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
 of another setup says what differs in place of a verdict.
 
-Without --lr_grid every arm runs at one learning rate, which is not a comparison (SPEC §9): a plain grid
-prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
+Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
+grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
 tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
@@ -92,7 +92,8 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
            "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}")}
 NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
-              "(SPEC §9); --lr_grid runs each arm at its own best rate and gives the verdict rule's word")
+              "(README, Comparing runs); --lr_grid runs each arm at its own best rate and gives the verdict rule's "
+              "word")
 JOBS_HELP = """runs at a time: N, or auto = max(1, cores // threads_per_run). Each run gets OMP_NUM_THREADS=
 threads_per_run, by default all cores, so auto runs one at a time: torch already spreads a run's matmuls over
 every core, and runs sharing cores gain little while their ms/iter measures the contention, not the model.
@@ -536,8 +537,8 @@ def write_summary_files(out_root: str, title: str, text: str, data: dict) -> Non
 # ----------------------------------------------------------------------------- the verdict rule
 
 VERDICT_P = 0.05  # two-sided significance level of the verdict rule
-MIN_SEEDS = 3  # seeds per arm before the rule gives a decisive word (SPEC §9)
-MIN_RATES = 5  # distinct rates of an --lr_grid before its table gives one (SPEC §9)
+MIN_SEEDS = 3  # seeds per arm before the rule gives a decisive word (README, Comparing runs)
+MIN_RATES = 5  # distinct rates of an --lr_grid before its table gives one (README, Comparing runs)
 INCONCLUSIVE = "inconclusive at this scale"
 
 
@@ -594,7 +595,7 @@ def verdict(claimed: list[float], other: list[float], claim: str = "lower", pair
     """The one verdict rule: does `claimed` have a lower (claim="lower") or higher final loss than `other`?
 
     Each list holds one final loss per seed; a diverged run counts as +inf. Fewer than MIN_SEEDS seeds in
-    an arm: "inconclusive at this scale", whatever the losses (SPEC §9: at least three seeds). Otherwise,
+    an arm: "inconclusive at this scale", whatever the losses (README, Comparing runs: at least three seeds). Otherwise,
     with every loss finite: `compare_arms` (Welch's t-test, or paired by seed), then "reproduced" if
     p < VERDICT_P and the difference has the claimed sign, "contradicted" if p < VERDICT_P against it, else
     "inconclusive at this scale". With divergences: when one arm diverged on every seed and the other on
@@ -796,7 +797,7 @@ def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
 
 
 def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> str | None:
-    """Why one point's learning-rate sweep cannot back a verdict (SPEC §9: at least MIN_RATES rates, the
+    """Why one point's learning-rate sweep cannot back a verdict (README, Comparing runs: at least MIN_RATES rates, the
     best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can.
     A rate whose run crashed gave no result (a diverged one did), so it counts neither as a rate nor as an edge."""
     failed = sorted({float(r[lr_key]) for r in first_runs if crashed(r)})

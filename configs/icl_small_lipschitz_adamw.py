@@ -1,4 +1,4 @@
-# CPU version of icl_lipschitz_adamw.py (Bir et al. Table 2, AdamW row): all 15 Lipschitz blocks kept, narrower and shorter; 2-core CPU, about 4 minutes.
+# CPU version of icl_lipschitz_adamw.py (Bir et al. Table 2, AdamW row): all 15 Lipschitz blocks kept, narrower and shorter; 2-core CPU, about 2-4 minutes.
 # Shrunk: d 64 (4 heads of 16, SwiGLU width 2d = 128), T 16 pairs (32 tokens), batch 64, 900 steps. The best loss
 # reachable at T = 16 is ~0.45 (~0.94 on xy sequences), logged as best_loss / best_xy_loss.
 # lr 4e-3 = the paper's 1e-3 x 256/64: AdamW's per-entry step does not shrink with width, so a

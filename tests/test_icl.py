@@ -354,7 +354,7 @@ def test_eval_sets_are_independent_of_each_other_and_of_the_first_training_batch
 
 
 def test_default_noise_is_spec_value_and_training_batches_carry_it_on_x_only():
-    # SPEC §4 / Bir et al. §4.1: N(0, 0.01^2) noise on the x values stored in x-tokens; targets noise-free
+    # Bir et al. §4.1: N(0, 0.01^2) noise on the x values stored in x-tokens; targets noise-free
     assert TrainConfig().icl_noise_std == 0.01
     task = small_task(batch_size=256, icl_pairs=16, icl_eval_batches=1)
     for batch in (task.train_batch(0, 0), task.eval_sets["val"][0]):

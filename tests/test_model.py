@@ -245,7 +245,7 @@ def test_geonorm_a_and_b_receive_gradients():
 
 
 def test_geonorm_defaults_are_harmonic_decay_and_a_pi_over_4_clamp():
-    """SPEC §2: decay(l) = 1 / (l + 1) (the paper's best) and c = pi/4 (App. C's best) unless set."""
+    """GeoNorm's defaults: decay(l) = 1 / (l + 1) (the paper's best) and c = pi/4 (App. C's best) unless set."""
     assert (GPTConfig().geonorm_decay, GPTConfig().geonorm_clamp) == ("harmonic", pytest.approx(math.pi / 4))
     model = geonorm_model()  # no geonorm_* key given
     # an update orthogonal to x and 1e3 times longer saturates theta at c, so theta' = c * decay(l) exactly
@@ -304,7 +304,7 @@ def layer_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def spec_update(scheme: str, place: str, x: torch.Tensor, f, j: int, L: int) -> torch.Tensor:
-    """SPEC §2's update j (1..2L) of the residual stream x, with sub-layer f at "attn" or "mlp"."""
+    """The update j (1..2L) of the residual stream x, with sub-layer f at "attn" or "mlp"."""
     if scheme == "pre":
         return x + f(layer_norm(x))
     if scheme == "pre_alt":  # GeoNorm eq. 13
@@ -400,9 +400,9 @@ def test_gpt2_init_scales_residual_projections():
 # ----------------------------------------------------------------------------- final norm
 
 
-# Whether each row normalizes the stream before the output head. SPEC §2's table and §8 name it for: post,
+# Whether each row normalizes the stream before the output head. The source papers name it for: post,
 # deepnorm (the last block already ends in N), lipschitz, none, rezero ("no norms") and ngpt ("no final
-# norm") without; pre, pre_alt, sandwich, geonorm, dnt, peri and speedrun ("before head") with. SPEC is
+# norm") without; pre, pre_alt, sandwich, geonorm, dnt, peri and speedrun ("before head") with. They are
 # silent on olmo2, mixln, lns and hybrid: their value is model.py's row (README: olmo2 "final N"; mixln and
 # lns end Pre-Norm; hybrid's last update is its un-normed FFN).
 FINAL_NORM = {
@@ -463,7 +463,7 @@ def test_dnt_settings_build_the_documented_norms(setting, per_block, global_norm
 
 
 def test_dnt_default_is_s5_with_xavier_init():
-    s5 = GPTConfig(norm_scheme="dnt").scheme  # SPEC §2: input norm, QK-norm, pre-norm before attention only, mid-norms
+    s5 = GPTConfig(norm_scheme="dnt").scheme  # DNT's S5: input norm, QK-norm, pre-norm before attention only, mid-norms
     assert (s5.input_norm, s5.pre_norm, s5.qk_norm, s5.mid_norm, s5.final_norm) == (True, "attn", True, True, True)
     assert GPTConfig(norm_scheme="dnt", dnt_setting="S5").scheme == s5
     torch.manual_seed(0)

@@ -69,7 +69,7 @@ def test_dyt_alpha_starts_at_its_place_value_and_the_embedding_is_scaled():
 
 @pytest.mark.parametrize("norm, kind, squash", [("dyt", DynamicTanh, torch.tanh), ("derf", DynamicErf, torch.erf)])
 def test_dyt_and_derf_start_as_squash_of_half_x_with_alpha_one_half_and_zero_shift(norm, kind, squash):
-    """SPEC §8: alpha starts at 0.5 in every norm, Derf's shift s at 0, so each op is f(x / 2) at init
+    """DyT and Derf: alpha starts at 0.5 in every norm, Derf's shift s at 0, so each op is f(x / 2) at init
     (gain 1, bias 0) unless a per-place alpha is given."""
     model = GPT(tiny(norm=norm, norm_scheme="sandwich"))
     ops = [m for m in model.modules() if isinstance(m, kind)]
@@ -126,7 +126,7 @@ def test_mixln_first_blocks_normalize_after_the_residual_and_the_others_before(n
 
 
 def test_mixln_by_default_makes_the_first_quarter_of_the_blocks_post_norm():
-    """Mix-LN's alpha is 0.25 (SPEC §8): floor(0.25 L) Post-Norm blocks first, 2 of 8, 1 of 4 or 6, 0 of 3."""
+    """Mix-LN's alpha is 0.25 (Li et al.): floor(0.25 L) Post-Norm blocks first, 2 of 8, 1 of 4 or 6, 0 of 3."""
     assert GPTConfig().mixln_fraction == 0.25
     for n_layer, n_post in [(8, 2), (6, 1), (4, 1), (3, 0)]:
         model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer))  # no mixln_fraction given

@@ -1,5 +1,5 @@
-"""sweep.py's comparison rules (SPEC §9) and its guards on input and on files already written, on synthetic
-runs and summaries: no training."""
+"""sweep.py's comparison rules (README, Comparing runs) and its guards on input and on files already written, on
+synthetic runs and summaries: no training."""
 
 import json
 import math
