@@ -336,7 +336,7 @@ def test_seed_means_keep_a_diverged_seed_out_of_the_mean_and_name_it(tmp_path, m
     ax = plot.draw(list(configs), ["val_loss"], seed_means=True).axes[0]
     curves = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines() if line.get_label()[0] != "_"}
     assert curves["optimizer=adamw (mean of 2 seeds; 1 diverged: dashed, x)"] == pytest.approx([4.1, 3.1, 2.2])
-    assert curves["optimizer=muon (mean of 1 seeds)"] == pytest.approx([4.0])
+    assert curves["optimizer=muon (mean of 1 seed)"] == pytest.approx([4.0])
     assert any(line.get_marker() == "x" and line.get_xdata()[0] == 60 for line in ax.get_lines())
 
 
