@@ -107,6 +107,7 @@ class ConfigError(ValueError):
 ADAMW_SIDE = ("adamw", "muon", "manifold_muon")  # optimizers that update some parameters with AdamW's betas
 MATRIX_OPTIMIZERS = ("muon", "manifold_muon")
 
+
 def places_norm(m: GPTConfig) -> bool:
     """Whether the model has a norm of type `norm` anywhere: on the input, before, inside or after a sub-layer, at
     the end, or in the first blocks of Mix-LN (post) or HybridNorm* (pre); the q/k/v norms are RMSNorms whatever
