@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from model import ELEMENTWISE_NORMS, GPTConfig
+from model import ELEMENTWISE_NORMS, GPTConfig, block_scheme
 
 
 @dataclass
@@ -112,9 +112,9 @@ def places_norm(m: GPTConfig) -> bool:
     """Whether the model has a norm of type `norm` anywhere: on the input, before, inside or after a sub-layer, at
     the end, or in the first blocks of Mix-LN (post) or HybridNorm* (pre); the q/k/v norms are RMSNorms whatever
     `norm` says."""
-    s = m.scheme
-    first_blocks = s.first_blocks == "pre" or s.first_blocks == "post" and math.floor(m.mixln_fraction * m.n_layer) > 0
-    return bool(s.input_norm or s.pre_norm != "none" or s.mid_norm or s.post_norm or s.final_norm or first_blocks)
+    blocks = [block_scheme(m, layer) for layer in range(m.n_layer)]
+    return bool(m.scheme.input_norm or m.scheme.final_norm
+                or any(b.pre_norm != "none" or b.mid_norm or b.post_norm for b in blocks))
 
 
 def normalizes_heads(m: GPTConfig) -> bool:
@@ -156,7 +156,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     # DyT and Derf also bring a gain on the embedding (see embed_scale), norms or not
     "norm": (lambda t, m: places_norm(m) or m.norm in ELEMENTWISE_NORMS and m.embed_scale is None,
              "a scheme with input, pre, mid, post or final norms"),
-    "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ("dyt", "derf") or normalizes_heads(m),
+    "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ELEMENTWISE_NORMS or normalizes_heads(m),
                  "LayerNorm, RMSNorm or head-wise norms, or q/k/v norms"),
     "norm_affine": (lambda t, m: places_norm(m) or normalizes_heads(m), "a scheme with norms"),
     "qk_norm_span": (lambda t, m: normalizes_heads(m), "qk_norm or v_norm"),

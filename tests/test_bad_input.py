@@ -209,7 +209,7 @@ def test_a_setting_without_effect_prints_one_warning_line(capsys):
 def test_a_norm_setting_the_scheme_never_uses_is_named(capsys, args, unused):
     """And what the warning names indeed changes nothing: the model built without those flags has the same
     parameters and, from the same seed (weights perturbed, so a zero init hides nothing), the same output."""
-    _, model_args = train.load_config(args)
+    train.load_config(args)
     err = capsys.readouterr().err
     named = re.findall(r"(\w+) \(only with", err)
     assert named == unused, err
