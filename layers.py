@@ -40,15 +40,17 @@ class RMSNormFunction(torch.autograd.Function):
     backward allocates one tensor, its output. It runs in x's dtype with the weight cast to it, so
     a bf16 input under autocast stays on bf16 kernels (torch's rms_norm falls back to a slower,
     mixed-dtype path); reductions accumulate in float32 inside torch's kernels. `weight` has x's
-    last dim (one gain per channel) or its last two (HeadwiseRMSNorm: (n_head, head_dim)).
+    last dim (one gain per channel) or its last two (HeadwiseRMSNorm: (n_head, head_dim)); None
+    leaves the gain out (two passes fewer backward).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps)).to(x.dtype)
         out = x * rstd
-        out.mul_(weight.to(x.dtype))
+        if weight is not None:
+            out.mul_(weight.to(x.dtype))
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -56,8 +58,11 @@ class RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        w = weight.to(x.dtype)
         gx = grad * x  # summed over channels: <g w, x>; over tokens, scaled by rstd: the weight's gradient
+        if weight is None:  # dx = rstd g - rstd^3 <g, x> x / d: two passes fewer, no weight gradient
+            coef = rstd.pow(3).mul_(gx.sum(-1, keepdim=True)).div_(-x.shape[-1])
+            return torch.mul(grad, rstd, out=gx).addcmul_(x, coef), None, None
+        w = weight.to(x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             if w.dim() == 1:  # two matrix-vector products, no temporaries
                 dot = (gx @ w).unsqueeze(-1)
@@ -295,14 +300,17 @@ class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm (same parameters and state dict), computed by `RMSNormFunction`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return super().forward(x)
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """x normalized by this norm's eps and shape, times `weight` in place of its own (None: no gain)."""
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         dims = len(self.normalized_shape)
         if dims == 1:
-            return RMSNormFunction.apply(x, self.weight, eps)
+            return RMSNormFunction.apply(x, weight, eps)
         # over several trailing dims (OLMo 2's q/k norm over all heads): the same node on their flattening
-        return RMSNormFunction.apply(x.flatten(-dims), self.weight.flatten(), eps).view(x.shape)
+        flat_weight = None if weight is None else weight.flatten()
+        return RMSNormFunction.apply(x.flatten(-dims), flat_weight, eps).view(x.shape)
 
 
 class HeadwiseRMSNorm(nn.Module):

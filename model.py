@@ -367,13 +367,22 @@ class CausalSelfAttention(nn.Module):
         self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
         self.rope = register_rope(self, config, self.head_dim)
+        # <q g_q, k g_k> = <q (g_q g_k), k>: with nothing between the norms and the dot product, the keys'
+        # gain rides on the queries and the keys' norm skips its multiply (a RoPE rotation would not commute)
+        self.gains_on_queries = scheme.qk_norm and not self.rope
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated)."""
+        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated);
+        with `gains_on_queries` the queries carry the keys' gain too, which leaves every logit unchanged."""
         B, T, C = x.shape
         heads = (B, T, self.n_head, self.head_dim)
-        q = self.q_norm(self.q_proj(x).view(heads)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(heads)).transpose(1, 2)
+        q, k = self.q_proj(x).view(heads), self.k_proj(x).view(heads)
+        if self.gains_on_queries:
+            q = self.q_norm.normalize(q, self.q_norm.weight * self.k_norm.weight)
+            k = self.k_norm.normalize(k, None)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_norm(self.v_proj(x).view(heads)).transpose(1, 2)
         if self.rope:
             q = apply_rope(q, self.rope_cos, self.rope_sin)

@@ -478,6 +478,40 @@ def test_qk_norm_gives_unit_rms_queries():
     torch.testing.assert_close(q.square().mean(-1), torch.ones(4, 8, 2), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+@pytest.mark.parametrize("span", ["head", "all"])
+def test_qk_norm_gains_enter_the_logits_as_dnt_eq_10_writes_them(pos, span):
+    # softmax(scale <N(q) g_q, N(k) g_k>), rotated by RoPE after the norms when pos="rope", against the model,
+    # whose queries carry both gains where no rotation comes between. Gains far from 1 so that a gain
+    # dropped, applied twice or moved across a rotation shows; float64: atol is rounding
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="dnt", pos=pos, qk_norm_span=span, bias=False)).double()
+    attn = model.blocks[0].attn.sublayer
+    assert attn.gains_on_queries == (pos == "learned")
+    with torch.no_grad():
+        for gain in (attn.q_norm.weight, attn.k_norm.weight):
+            gain.copy_(0.5 + torch.rand_like(gain) * 2)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    dims = (-2, -1) if span == "all" else (-1,)
+
+    def normed(t: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        t = t.unflatten(-1, (2, 16))  # (B, T, H, D)
+        return (t * torch.rsqrt(t.square().mean(dims, keepdim=True) + attn.q_norm.eps) * gain).transpose(1, 2)
+
+    q, k = normed(attn.q_proj(x), attn.q_norm.weight), normed(attn.k_proj(x), attn.k_norm.weight)
+    if pos == "rope":
+        q, k = apply_rope(q, attn.rope_cos, attn.rope_sin), apply_rope(k, attn.rope_cos, attn.rope_sin)
+    logits = (q @ k.transpose(-1, -2) / 4).masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf)
+    expected = attn.out_proj((logits.softmax(-1) @ heads(attn.v_proj(x), 2)).transpose(1, 2).flatten(2))
+    upstream = torch.randn_like(expected)
+    params = [x, attn.q_norm.weight, attn.k_norm.weight, attn.q_proj.weight, attn.k_proj.weight]
+    grads = torch.autograd.grad(expected, params, upstream)
+    out = attn(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out, params, upstream), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+
+
 @pytest.mark.parametrize("scheme", ["pre", "dnt"])
 def test_attention_logits_grow_with_w_q_unless_qk_norm_bounds_them(scheme):
     # Without QK-norm a logit <W_q x_i, W_k x_j> is linear in W_q, so x10 on W_q is x10 on the largest

@@ -156,7 +156,7 @@ def test_geodesic_step_takes_bf16_sublayer_outputs_under_autocast():
 # ----------------------------------------------------------------------------- RMSNorm
 
 
-def rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_reference(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
 
 
@@ -167,6 +167,14 @@ def test_rms_norm_function_passes_gradcheck(weight_shape):
     w = (1 + 0.3 * torch.randn(weight_shape, generator=g, dtype=torch.float64)).requires_grad_()
     assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-5), (x, w))
     torch.testing.assert_close(RMSNormFunction.apply(x, w, 1e-5), rms_reference(x, w, 1e-5), rtol=1e-12, atol=1e-12)
+
+
+def test_rms_norm_function_without_a_gain_passes_gradcheck():
+    """The keys' norm when their gain rides on the queries: x / sqrt(mean(x^2) + eps), no multiply."""
+    x = torch.randn(3, 5, 4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: RMSNormFunction.apply(x, None, 1e-5), (x,))
+    torch.testing.assert_close(RMSNormFunction.apply(x, None, 1e-5), rms_reference(x, 1.0, 1e-5), rtol=1e-12,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [64, (4, 64)])  # over the last dim; over all heads (OLMo 2's q/k norm)
