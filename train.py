@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import math
 import os
 import signal
@@ -124,7 +125,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
     if device.startswith("cuda"):
         device = f"cuda:{ddp.local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout))
+    # device_id binds NCCL's communicator to this rank's GPU now, not at the first collective
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout),
+                            device_id=torch.device(device) if backend == "nccl" else None)
     return ddp, device
 
 
@@ -437,14 +440,25 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
 
 
 
+# Datasheet dense peaks in TFLOP/s (bf16/fp16, TF32, plain fp32), matched against the device name in this order
+GPU_PEAKS = (("H100 NVL", (835, 418, 60)), ("H100 PCIe", (756, 378, 51)), ("H200 NVL", (835, 418, 60)),
+             ("H100", (989, 495, 67)), ("H200", (989, 495, 67)), ("GH200", (989, 495, 67)), ("A100", (312, 156, 19.5)),
+             ("L40S", (362, 183, 91.6)), ("A10", (125, 62.5, 31.2)), ("4090", (165, 82.6, 82.6)),
+             ("3090", (71, 35.6, 35.6)), ("V100", (125, 15.7, 15.7)))
+
+
 def device_peak_flops(device: str, dtype: torch.dtype = torch.float32) -> float:
-    """Datasheet dense bf16/fp16 peak for known GPUs; on a CPU, the matmul peak in `dtype` measured now.
-    Half precision without native CPU support is emulated (seconds per matmul, no real peak): float32 then."""
+    """The matmul peak the run's dtype can reach: on a known GPU the datasheet dense rate for bf16/fp16, for
+    float32 on TF32 tensor cores (torch's float32 matmul precision "high" or "medium") or in plain float32;
+    on a CPU, the matmul peak in `dtype` measured now. Half precision without native CPU support is emulated
+    (seconds per matmul, no real peak): float32 then."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(device)
-        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                 "4090": 165e12, "3090": 71e12, "V100": 125e12}
-        return next((v for k, v in table.items() if k in name), float("nan"))
+        peaks = next((p for key, p in GPU_PEAKS if key in name), None)
+        if peaks is None:
+            return float("nan")
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return 1e12 * (peaks[0] if dtype in (torch.bfloat16, torch.float16) else peaks[1] if tf32 else peaks[2])
     if device != "cpu":
         return float("nan")
     if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -557,6 +571,24 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         for group, fresh in zip(optimizer.param_groups, settings, strict=True):
             group.update(fresh)  # the config's hyperparameters win over the checkpoint's
     return gptconf, model, optimizer
+
+
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated since) to forward_sync_buffers; older torch has only the first
+NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+    else "broadcast_buffers"
+
+
+def wrap_model(model: GPT, ddp: Dist, device_type: str, compiled: bool) -> torch.nn.Module:
+    """DDP first, then torch.compile: compiling the DDP module lets dynamo split the graph at DDP's gradient
+    buckets, so each bucket's all-reduce overlaps the rest of the backward (compiled first, every gradient
+    leaves one graph at its end and the all-reduce waits for all of them)."""
+    if ddp.world_size > 1:
+        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to sync in a forward,
+        # and a sync there would hang an evaluation in which some ranks get no batch. Gradients as views of the
+        # buckets: no copy in or out of them.
+        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True,
+                    **{NO_BUFFER_SYNC: False})
+    return torch.compile(model) if compiled else model
 
 
 def forward_backward(model, task, ddp: Dist, accum: int, it: int, scaler, autocast, seed: int) -> torch.Tensor:
@@ -794,15 +826,13 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    if device_type == "cuda":  # float32 matmuls on TF32 tensor cores, or in full float32 (tf32=False)
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     if checkpoint is not None and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
-    if cfg.compile:
-        model = torch.compile(model)
-    if ddp.world_size > 1:
-        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to sync in a forward,
-        # and a sync there would hang an evaluation in which some ranks get no batch
-        model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, forward_sync_buffers=False)
+    compiled = cfg.compile if cfg.compile is not None else device_type == "cuda"
+    model = wrap_model(model, ddp, device_type, compiled)
 
     start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
     # a stop save at an evaluation iteration precedes its evaluation: the resumed run evaluates and saves it
@@ -907,6 +937,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             raw_model.apply_parameter_constraints()
         iter_num += 1
         iters_since_log += 1
+        if iter_num == start_iter + 1:  # the first step compiles and warms up: keep it out of ms/iter and MFU
+            t_last, iters_since_log = time.perf_counter(), 0
 
         log_now = iter_num % cfg.log_interval == 0
         # before any log or save; one process also checks for a stop signal after every step (no sync needed),
@@ -920,14 +952,17 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                                          model_inputs(task.train_batch(bad_iter, 0)))
         if log_now:
             lossf = (all_ranks(loss_sum, ddp) / ddp.world_size).item()  # the global batch's loss
-            dt = (time.perf_counter() - t_last) / iters_since_log
+            speed = {}
+            if iters_since_log:  # none yet right after the first step, which is not timed
+                dt = (time.perf_counter() - t_last) / iters_since_log
+                speed = {"ms_per_iter": dt * 1000, "tokens_per_s": tokens_per_iter / dt,
+                         "mfu": flops_per_iter / dt / peak}
             t_last, iters_since_log = time.perf_counter(), 0
             if ddp.master:
-                mfu = flops_per_iter / dt / peak
-                print(f"iter {iter_num}: loss {lossf:.4f}, lr {optimizer.param_groups[0]['lr']:.3g}, "
-                      f"{dt * 1000:.1f} ms/iter, {tokens_per_iter / dt:,.0f} tok/s, mfu {100 * mfu:.1f}%")
-                log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"],
-                          ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt, mfu=mfu,
+                timing = (f", {speed['ms_per_iter']:.1f} ms/iter, {speed['tokens_per_s']:,.0f} tok/s, "
+                          f"mfu {100 * speed['mfu']:.1f}%") if speed else ""
+                print(f"iter {iter_num}: loss {lossf:.4f}, lr {optimizer.param_groups[0]['lr']:.3g}{timing}")
+                log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"], **speed,
                           **({"skipped": skipped} if cfg.skip_nonfinite else {}))
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
             keep = eval_finite and not nonfinite_state(raw_model, optimizer)

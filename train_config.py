@@ -84,7 +84,8 @@ class TrainConfig:
     backend: str = "auto"  # "nccl", "gloo", or "auto" (nccl on CUDA, gloo otherwise)
     device: str = "auto"  # "auto" picks cuda, then mps, then cpu
     dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: bf16 (or fp16) on CUDA, fp32 else
-    compile: bool = False
+    compile: bool | None = None  # torch.compile the model; None: on CUDA only (a CPU compile takes minutes)
+    tf32: bool = True  # CUDA: float32 matmuls and convolutions on TF32 tensor cores (float32 runs; bf16 is unaffected)
     seed: int = 1337
     dist_timeout: float = 1800.0  # seconds a rank waits for the others (torchrun) before it stops with a message
     # the least-squares task (task="icl"); see icl_task.get_batch

@@ -619,7 +619,7 @@ def test_dist_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setattr(train.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
     cfg, _ = train.load_config(["--dist_timeout=7", "--device=cpu"])
     assert train.setup_distributed(cfg)[0].world_size == 2
-    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7), "device_id": None}  # no GPU to bind
 
 
 @pytest.mark.parametrize("gloo_says, told", [
