@@ -6,8 +6,9 @@ a few attributes of one.
 
 GeoNorm's geodesic step, RMSNorm, nGPT's unit norm and residual update, and DyT/Derf run as single autograd
 nodes with backwards written by hand (`GeodesicStepFunction`, `RMSNormFunction`, `UnitNormFunction`,
-`NormalizedLerpFunction`, `SquashFunction`); tests/test_speed_paths.py checks their forward passes and
-gradients against the plain formulas, in float64 and with gradcheck.
+`NormalizedLerpFunction`, `SquashFunction`) in eager mode, and as each node's `formula` in plain ops under
+torch.compile (`fused`); tests/test_speed_paths.py checks their forward passes and gradients against the plain
+formulas, in float64 and with gradcheck.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
 # `RMSNorm`, `HeadwiseRMSNorm`, `DynamicTanh` and `DynamicErf` below (and ngpt.py) use them.
 
 
+def fused(node: type[torch.autograd.Function], *args):
+    """`node` with its hand-written backward in eager mode; under torch.compile its `formula`, the same math in
+    plain ops, whose backward inductor derives and fuses by itself. (A traced autograd.Function that writes its
+    output in place gets its gradient routed to the wrong input in torch 2.11, pytorch/pytorch#180642: compiled
+    GeoNorm and nGPT gradients were wrong on a GPU. Plain ops leave nothing of the kind to trace.)"""
+    return node.formula(*args) if torch.compiler.is_compiling() else node.apply(*args)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, as one autograd node.
 
@@ -43,6 +52,12 @@ class RMSNormFunction(torch.autograd.Function):
     last dim (one gain per channel) or its last two (HeadwiseRMSNorm: (n_head, head_dim)); None
     leaves the gain out (two passes fewer backward).
     """
+
+    @staticmethod
+    def formula(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).to(torch.promote_types(x.dtype, torch.float32))
+        out = x * torch.rsqrt(norm.square() / x.shape[-1] + eps).to(x.dtype)
+        return out if weight is None else out * weight.to(x.dtype)
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -85,6 +100,10 @@ class UnitNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    def formula(x: torch.Tensor, eps: float) -> torch.Tensor:
+        return x * torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps).reciprocal()
+
+    @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         inverse = norm.clamp_min(eps).reciprocal()
@@ -120,6 +139,11 @@ class NormalizedLerpFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    def formula(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        y_inverse = torch.linalg.vector_norm(y, dim=-1, keepdim=True, dtype=h.dtype).clamp_min(eps).reciprocal()
+        return UnitNormFunction.formula(torch.lerp(h, y * y_inverse, w), eps)
+
+    @staticmethod
     def forward(ctx, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         y_norm = torch.linalg.vector_norm(y, dim=-1, keepdim=True, dtype=h.dtype)
         y_inverse = y_norm.clamp_min(eps).reciprocal()
@@ -153,6 +177,13 @@ class SquashFunction(torch.autograd.Function):
     product (no temporary). It computes where the formula would: in x's dtype up to f(z),
     then promoted by the float32 weight.
     """
+
+    @staticmethod
+    def formula(x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor | None, weight: torch.Tensor,
+                bias: torch.Tensor | None, erf: bool) -> torch.Tensor:
+        z = x * alpha if shift is None else x * alpha + shift
+        squashed = torch.erf(z) if erf else torch.tanh(z)
+        return squashed * weight if bias is None else torch.addcmul(bias, squashed, weight)
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor | None, weight: torch.Tensor,
@@ -248,6 +279,16 @@ class GeodesicStepFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    def formula(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float, clamp: float,
+                lowest: float) -> torch.Tensor:
+        x = x.to(torch.promote_types(x.dtype, s.dtype))  # `geodesic_terms` without its in-place steps
+        radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
+        v = s - (x * s).sum(-1, keepdim=True) / radius.square() * x  # the tangent: s less its part along x
+        v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
+        theta = ((a * (v_norm / radius).clamp_max(clamp) + b) * decay).clamp(lowest, clamp)
+        return torch.cos(theta) * x + (radius * torch.sin(theta) / v_norm) * v
+
+    @staticmethod
     def forward(ctx, x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 decay: float, clamp: float, lowest: float) -> torch.Tensor:
         out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, s.dtype))
@@ -307,10 +348,10 @@ class RMSNorm(nn.RMSNorm):
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         dims = len(self.normalized_shape)
         if dims == 1:
-            return RMSNormFunction.apply(x, weight, eps)
+            return fused(RMSNormFunction, x, weight, eps)
         # over several trailing dims (OLMo 2's q/k norm over all heads): the same node on their flattening
         flat_weight = None if weight is None else weight.flatten()
-        return RMSNormFunction.apply(x.flatten(-dims), flat_weight, eps).view(x.shape)
+        return fused(RMSNormFunction, x.flatten(-dims), flat_weight, eps).view(x.shape)
 
 
 class HeadwiseRMSNorm(nn.Module):
@@ -329,7 +370,7 @@ class HeadwiseRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = x.unflatten(-1, (self.n_head, -1))
-        return RMSNormFunction.apply(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
+        return fused(RMSNormFunction, groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
 
 
 class DynamicTanh(nn.Module):
@@ -349,7 +390,7 @@ class DynamicTanh(nn.Module):
         self.register_parameter("shift", None)  # Derf's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return SquashFunction.apply(x, self.alpha, self.shift, self.weight, self.bias, self.erf)
+        return fused(SquashFunction, x, self.alpha, self.shift, self.weight, self.bias, self.erf)
 
 
 class DynamicErf(DynamicTanh):
@@ -492,7 +533,7 @@ class GeodesicStep(nn.Module):
         return t.theta, t.radius, t.v, t.v_norm
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return GeodesicStepFunction.apply(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
+        return fused(GeodesicStepFunction, x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}, sides={self.sides}"

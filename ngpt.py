@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import NormalizedLerpFunction, UnitNormFunction, apply_rope, mlp_width, register_rope, softmax_scale
+from layers import NormalizedLerpFunction, UnitNormFunction, apply_rope, fused, mlp_width, register_rope, softmax_scale
 
 if TYPE_CHECKING:
     from model import GPTConfig
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def unit(x: torch.Tensor) -> torch.Tensor:
     """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector
     (`F.normalize`, computed by the fused `UnitNormFunction`)."""
-    return UnitNormFunction.apply(x, 1e-12)
+    return fused(UnitNormFunction, x, 1e-12)
 
 
 @torch.no_grad()
@@ -114,7 +114,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return NormalizedLerpFunction.apply(x, y, self.alpha().abs().to(x.dtype), 1e-12)  # unit(lerp(x, unit(y), |a|))
+        return fused(NormalizedLerpFunction, x, y, self.alpha().abs().to(x.dtype), 1e-12)  # unit(lerp(x, unit(y), |a|))
 
 
 class SphereAttention(nn.Module):

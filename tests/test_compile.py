@@ -1,16 +1,77 @@
-"""torch.compile keeps every scheme's math (opt-in: a minute or more per scheme on a CPU).
+"""torch.compile traces every scheme into one graph and keeps its math. The compile-marked tests are
+opt-in (the matrix of graph breaks takes minutes, a compiled model a minute or more per scheme on a CPU):
 
     python -m pytest -m compile tests/test_compile.py
 """
 
+import itertools
+
 import pytest
 import torch
 
-from model import GPT, SCHEMES, GPTConfig
+from model import GPT, NORM_TYPES, SCHEMES, GPTConfig
 
-pytestmark = pytest.mark.compile
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each case starts from an empty dynamo cache, and hitting the recompile limit fails it instead of
+    silently running the model eagerly."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+    torch._dynamo.reset()
+
+
+def tiny_config(scheme: str, norm: str = "layernorm", bias: bool = True, pos: str = "learned") -> GPTConfig:
+    return GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, norm_scheme=scheme,
+                     norm=norm, bias=bias, pos=pos)
+
+
+def uses_norm(scheme: str) -> bool:
+    """Whether the row normalizes anywhere with `config.norm` (QK-norm is always RMSNorm, nGPT's is L2)."""
+    row = SCHEMES[scheme]
+    return row.input_norm or row.pre_norm != "none" or row.mid_norm or row.post_norm or row.final_norm
+
+
+def assert_one_graph(config: GPTConfig) -> None:
+    """Dynamo traces one training forward pass (loss included) into a single graph (the norms as their plain
+    formulas: see layers.fused)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (2, config.block_size))
+    explanation = torch._dynamo.explain(GPT(config))(idx, idx)
+    reasons = [f"{b.reason.splitlines()[0]} ({b.user_stack[-1] if b.user_stack else '?'})"
+               for b in explanation.break_reasons]
+    assert explanation.graph_count == 1 and not reasons, f"{explanation.graph_count} graphs:\n" + "\n".join(reasons)
+
+
+# every row with every norm type it uses (norm-free rows once), with and without biases, both positions;
+# Pre-Norm's DyT and Derf rows are among them
+MATRIX = [(scheme, norm, bias, pos)
+          for scheme in SCHEMES for norm in (NORM_TYPES if uses_norm(scheme) else ("layernorm",))
+          for bias, pos in itertools.product((True, False), ("learned", "rope"))]
+
+
+def case_id(case: tuple) -> str:
+    scheme, norm, bias, pos = case
+    return f"{scheme}-{norm}-{'bias' if bias else 'nobias'}-{pos}"
+
+
+@pytest.mark.parametrize("case", [("ngpt", "layernorm", False, "learned"), ("geonorm", "derf", True, "rope")],
+                         ids=case_id)
+def test_representative_models_trace_to_one_graph(case):
+    # nGPT's unit norm and update; GeoNorm's geodesic step with Derf and RoPE
+    assert_one_graph(tiny_config(*case))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", MATRIX, ids=case_id)
+def test_every_model_traces_to_one_graph(case):
+    assert_one_graph(tiny_config(*case))
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("scheme", list(SCHEMES) + ["dyt", "derf"])  # the last two: Pre-Norm with DyT/Derf
 def test_compiled_model_matches_eager(scheme):
     torch.manual_seed(0)

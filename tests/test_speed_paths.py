@@ -488,3 +488,60 @@ def test_reusing_freed_memory_stops_page_faults_in_a_cpu_step(tmp_path):
     reused, per_step = out.stdout.split()[-2:]
     assert reused == "True", "mallopt refused the settings on Linux with glibc"
     assert float(per_step) < 50
+
+
+# ----------------------------------------------------------------------------- under torch.compile
+
+def node_cases() -> list[tuple]:
+    """Each hand-written node with float64 inputs that reach its branches: a gain or none, a shift, a binding clamp."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(shape, generator=g, dtype=torch.float64)).requires_grad_()
+
+    def scalar(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float64, requires_grad=True)
+
+    x, y, clamps = r(3, 5, 8), r(3, 5, 8), (math.pi / 4, -math.pi / 4)
+    return [(RMSNormFunction, (x, r(8), 1e-6)), (RMSNormFunction, (x, None, 1e-6)),
+            (RMSNormFunction, (r(3, 5, 2, 4), r(2, 4), 1e-6)), (UnitNormFunction, (x, 1e-12)),
+            (NormalizedLerpFunction, (x, y, r(8, scale=0.1).abs().detach().requires_grad_(), 1e-12)),
+            (SquashFunction, (x, r(), None, r(8), r(8), False)), (SquashFunction, (x, r(), r(), r(8), None, True)),
+            # |s| / |x| ~ 0.6: theta' = 0.7 (1.5 ratio + 0.5) clamped at pi/4 for most tokens;
+            # |s| / |x| ~ 1: the ratio clamped at pi/4 for some, theta' = 0.7 (0.3 ratio + 0.1) never
+            (GeodesicStepFunction, (x, r(3, 5, 8, scale=0.6), scalar(1.5), scalar(0.5), 0.7, *clamps)),
+            (GeodesicStepFunction, (x, r(3, 5, 8), scalar(0.3), scalar(0.1), 0.7, *clamps))]
+
+
+@pytest.mark.parametrize("case", range(len(node_cases())))
+def test_each_nodes_formula_is_its_math(case):
+    """`fused` runs a node's `formula` under torch.compile: in float64 it gives the node's output and gradients
+    to rounding (the same expressions in another order: 1e-12 relative)."""
+    node, args = node_cases()[case]
+    tensors = [a for a in args if torch.is_tensor(a)]
+    out, reference = node.formula(*args), node.apply(*args)
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), tensors)
+    expected = torch.autograd.grad((reference * weights).sum(), tensors)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_models_trace_the_formulas_not_the_nodes():
+    """Under torch.compile no hand-written node is traced (GeoNorm's step and nGPT's update, the two whose
+    compiled gradients torch 2.11 got wrong, among them): dynamo's graph holds plain ops only."""
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    for scheme, norm in (("geonorm", "layernorm"), ("ngpt", "layernorm"), ("dnt", "rmsnorm"), ("pre", "derf")):
+        torch._dynamo.reset()
+        graphs.clear()
+        model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16, norm_scheme=scheme,
+                              norm=norm))
+        idx = torch.randint(0, 32, (2, 8))
+        torch.compile(model, backend=keep)(idx, idx)
+        assert len(graphs) == 1 and "autograd_function_apply" not in graphs[0], scheme
