@@ -64,12 +64,15 @@ def _quintic_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
 def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     """Muon's orthogonalization: `steps` quintic steps with Muon's coefficients, in bfloat16,
     after dividing by the Frobenius norm (so the spectral norm is <= 1). Returns bfloat16
-    U S' V^T with S' in a band around 1, not U V^T; `msign` is the accurate version."""
+    U S' V^T with S' in a band around 1, not U V^T; `msign` is the accurate version.
+    G is a matrix or a batch of equal shapes (b x m x n), each normalized by its own norm."""
     X = G.bfloat16()
-    tall = X.size(0) > X.size(1)  # iterate on the wide orientation: the Gram matrix is smaller
+    # Iterate on the wide orientation (the Gram matrix is smaller) as a transposed view, the layout
+    # torch.optim.Muon iterates on: the CPU's bfloat16 matmul rounds a contiguous copy differently.
+    tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / X.norm().clamp(min=eps)
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         X = _quintic_step(X, *MUON_NS_COEFFICIENTS)
     return X.mT if tall else X
@@ -247,18 +250,22 @@ class _MatrixAndAdamW(Optimizer):
 
     Every param group has a "kind": "matrix" groups get the subclass's update, "adamw" groups get
     AdamW (torch's functional `adamw`, so the math and the state are torch.optim.AdamW's:
-    "step", "exp_avg", "exp_avg_sq"). Missing keys are filled per kind, so a caller may pass
-    its own groups, e.g. [{"params": hidden, "kind": "matrix"},
+    "step", "exp_avg", "exp_avg_sq"; its fused kernel on CUDA, its for-loop on the CPU). Missing
+    keys are filled per kind, so a caller may pass its own groups, e.g.
+    [{"params": hidden, "kind": "matrix"},
     {"params": emb, "kind": "adamw", "weight_decay": 0.1}, {"params": gains, "kind": "adamw"}].
 
+    Matrices of a group that the subclass can stack (`_batch_key`: the same shape) are updated
+    together, in batches of at most BATCH_SIZE (`_batches`): a few batched matmuls per step
+    instead of a chain of small ones per matrix.
+
     Sharding (when torch.distributed is initialized with world_size > 1 and `distributed`):
-    matrix parameters with a gradient are numbered in param-group order and cut into batches
-    (`_batches`: one matrix each for Muon, equal-shaped ones stacked for ManifoldMuon); batch i is
-    updated by rank i % world_size only, then its tensors (`_synced_tensors`) are broadcast from
-    that rank. Every rank updates every momentum buffer itself (cheap, elementwise, identical
-    gradients after DDP's all-reduce), so rank 0's state is complete for checkpoints. The batches
-    do not depend on the world size and the owner runs exactly the single-process computation, so
-    the result is bit-identical to not sharding.
+    the batches are numbered in param-group order; batch i is updated by rank i % world_size
+    only, then its tensors (`_synced_tensors`) are broadcast from that rank. Every rank updates
+    every momentum buffer itself (cheap, elementwise, identical gradients after DDP's
+    all-reduce), so rank 0's state is complete for checkpoints. The batches do not depend on the
+    world size and the owner runs exactly the single-process computation, so the result is
+    bit-identical to not sharding.
     """
 
     def __init__(
@@ -300,29 +307,32 @@ class _MatrixAndAdamW(Optimizer):
             for key, value in kind_defaults.get(group.get("kind"), {}).items():
                 group.setdefault(key, value)
 
+    BATCH_SIZE = 16  # matrices per batched update, at most
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices = []
+        steps = []
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 self._adamw_step(group)
             else:
-                matrices += [(p, group) for p in group["params"] if p.grad is not None]
-        self._matrix_steps(matrices)
+                steps += self._momentum_step(group)
+        self._matrix_steps(steps)
         return loss
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        fused = params[0].is_cuda  # torch.optim.AdamW(fused=True)'s kernel; on the CPU its for-loop
         for p in params:
             state = self.state[p]
-            if not state:  # the state torch.optim.AdamW keeps (non-fused, non-capturable)
-                state["step"] = torch.tensor(0.0)
+            if not state:  # the state torch.optim.AdamW keeps (fused: the step count on the device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
@@ -330,21 +340,30 @@ class _MatrixAndAdamW(Optimizer):
         adamw_functional(
             params, [p.grad for p in params],
             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-            [s["step"] for s in states],
+            [s["step"] for s in states], fused=fused,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
 
-    def _matrix_steps(self, matrices: list[tuple[Tensor, dict[str, Any]]]) -> None:
-        world_size, rank = _world(self.distributed)
+    def _momentum_step(self, group: dict[str, Any]) -> list[MatrixStep]:
+        """buf <- mu buf + (1 - mu) g for the group's matrices with a gradient (on every rank);
+        returns their steps."""
         steps = []
-        for p, group in matrices:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
             state = self.state[p]
             first_step = not state
             if first_step:
                 self._init_state(p, state)
-            state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])  # every rank
             steps.append((p, group, first_step))
+        if steps:
+            torch._foreach_lerp_([self.state[p]["momentum_buffer"] for p, _, _ in steps],
+                                 [p.grad for p, _, _ in steps], 1 - group["momentum"])
+        return steps
+
+    def _matrix_steps(self, steps: list[MatrixStep]) -> None:
+        world_size, rank = _world(self.distributed)
         pending = []
         for i, batch in enumerate(self._batches(steps)):
             owner = i % world_size
@@ -357,12 +376,21 @@ class _MatrixAndAdamW(Optimizer):
             work.wait()
 
     def _batches(self, steps: list[MatrixStep]) -> list[list[MatrixStep]]:
-        """The matrices updated together, in a fixed order (the same on every rank)."""
-        return [[step] for step in steps]
+        """The matrices updated together, in a fixed order (the same on every rank): those with the
+        same `_batch_key`, in batches of at most BATCH_SIZE (a fixed size, so the batches, and the
+        bits, do not depend on the world size)."""
+        alike: dict[tuple, list[MatrixStep]] = {}
+        for step in steps:
+            alike.setdefault(self._batch_key(*step), []).append(step)
+        return [same[i:i + self.BATCH_SIZE] for same in alike.values()
+                for i in range(0, len(same), self.BATCH_SIZE)]
+
+    def _batch_key(self, p: Tensor, group: dict[str, Any], first_step: bool) -> tuple:
+        """Matrices with equal keys can be stacked into one batched update."""
+        raise NotImplementedError
 
     def _update_matrices(self, batch: list[MatrixStep]) -> None:
-        for p, group, first_step in batch:
-            self._update_matrix(p, self.state[p], group, first_step)
+        raise NotImplementedError
 
     def _init_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -370,10 +398,6 @@ class _MatrixAndAdamW(Optimizer):
     def _synced_tensors(self, p: Tensor, state: dict[str, Tensor]) -> list[Tensor]:
         """Tensors that the owner of a matrix changed beyond the momentum buffer."""
         return [p]
-
-    def _update_matrix(self, p: Tensor, state: dict[str, Tensor], group: dict[str, Any],
-                       first_step: bool) -> None:
-        raise NotImplementedError
 
 
 def _momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -405,7 +429,10 @@ class Muon(_MatrixAndAdamW):
         W   <- W - lr s O,   s = sqrt(max(1, rows/cols))  ("original")
                              s = 0.2 sqrt(max(rows, cols)) ("match_rms_adamw", Muon is Scalable)
 
-    This is torch.optim.Muon's update for the same settings (tests compare them). "adamw"
+    This is torch.optim.Muon's update for the same settings (tests compare them, bit for bit on
+    the CPU). Matrices of a group with the same shape are stacked: one batched NS_5 and a few
+    foreach ops per shape instead of a chain of kernels per matrix (the CPU's batched bfloat16
+    matmul gives the same bits as one matrix at a time; a GPU's may round differently). "adamw"
     groups use adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay unless they set their own.
     Bir et al. used Muon with lr 1e-3, wd 0.01, mu 0.95.
     """
@@ -439,12 +466,21 @@ class Muon(_MatrixAndAdamW):
         if group["kind"] == "matrix" and group["adjust_lr"] not in MUON_LR_ADJUSTMENTS:
             raise ValueError(f"adjust_lr must be one of {MUON_LR_ADJUSTMENTS}, got {group['adjust_lr']!r}")
 
-    def _update_matrix(self, p, state, group, first_step):
-        d = _momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
-                                group["nesterov"])
-        update = zeropower_newton_schulz(d, group["ns_steps"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"] * _muon_lr_scale(p.shape, group["adjust_lr"]))
+    def _batch_key(self, p, group, first_step):
+        return id(group), p.shape, p.dtype, p.device  # the exact shape: a tall matrix stays tall
+
+    def _update_matrices(self, batch):
+        _, group, _ = batch[0]
+        params = [p for p, _, _ in batch]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        # `_momentum_direction` per matrix: (1 - mu) g + mu buf (Nesterov) or buf
+        directions = torch._foreach_lerp([p.grad for p in params], bufs, mu) if group["nesterov"] else bufs
+        update = zeropower_newton_schulz(torch.stack(directions), group["ns_steps"])
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        scale = _muon_lr_scale(params[0].shape, group["adjust_lr"])
+        torch._foreach_add_(params, list(update.unbind()), alpha=-lr * scale)
 
 
 DUAL_INITS = ("bernstein", "zero")
@@ -565,8 +601,6 @@ class ManifoldMuon(_MatrixAndAdamW):
             if group[key] not in valid:
                 raise ValueError(f"{key} must be one of {valid}, got {group[key]!r}")
 
-    BATCH_SIZE = 16
-
     def _init_state(self, p, state):
         super()._init_state(p, state)
         k = min(p.shape)  # p's dtype: load_state_dict casts floating state to it anyway
@@ -575,17 +609,9 @@ class ManifoldMuon(_MatrixAndAdamW):
     def _synced_tensors(self, p, state):
         return [p, state["dual"]]
 
-    def _batches(self, steps):
-        """Matrices of a group with the same shape once made tall, at the same step, stacked in
-        batches of at most BATCH_SIZE: one batched matmul instead of many small ones (a fixed
-        size, so the batches, and the bits, do not depend on the world size)."""
-        alike: dict[tuple, list[MatrixStep]] = {}
-        for step in steps:
-            p, group, first_step = step
-            key = (id(group), max(p.shape), min(p.shape), p.dtype, p.device, first_step)
-            alike.setdefault(key, []).append(step)
-        return [same[i:i + self.BATCH_SIZE] for same in alike.values()
-                for i in range(0, len(same), self.BATCH_SIZE)]
+    def _batch_key(self, p, group, first_step):
+        """The same shape once made tall, at the same step (the first one also projects W)."""
+        return id(group), max(p.shape), min(p.shape), p.dtype, p.device, first_step
 
     def _update_matrices(self, batch):
         _, group, first_step = batch[0]

@@ -140,6 +140,59 @@ def test_muon_matrix_update_equals_torch_muon(shape, adjust_lr, nesterov):
                        ref_opt.state[ref]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("batch_size", [16, 2])
+def test_muon_batches_equal_shapes_bit_for_bit_as_torch_muon(batch_size):
+    torch.manual_seed(0)
+    shapes = [(24, 8), (8, 24), (24, 8), (12, 12), (24, 8), (8, 24), (12, 12)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+    ours_opt = Muon(ours, **settings)
+    ours_opt.BATCH_SIZE = batch_size
+    ref_opt = torch.optim.Muon(ref, adjust_lr_fn="original", **settings)
+    batches = ours_opt._batches([(p, ours_opt.param_groups[0], False) for p in ours])
+    expected = [3, 2, 2] if batch_size == 16 else [2, 1, 2, 2]  # by exact shape: tall apart from wide
+    assert [len(b) for b in batches] == expected
+    for _ in range(3):
+        for p, q in zip(ours, ref, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        ours_opt.step()
+        ref_opt.step()
+        # exact: the CPU's batched bfloat16 matmuls give the bits of one matrix at a time
+        for p, q in zip(ours, ref, strict=True):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_muon_on_cuda_matches_the_cpu_step():
+    torch.manual_seed(0)
+    shapes = [(24, 8), (24, 8), (8, 24), (11,), (5, 3)]  # matrices, then a gain and an embedding
+    cpu = [nn.Parameter(torch.randn(s)) for s in shapes]
+    gpu = [nn.Parameter(p.detach().cuda()) for p in cpu]
+
+    def build(params):
+        return Muon(params[:3], lr=0.02, weight_decay=0.1, adamw_lr=3e-3,
+                    adamw_params=[{"params": [params[3]]}, {"params": [params[4]], "weight_decay": 0.1}])
+
+    cpu_opt, gpu_opt = build(cpu), build(gpu)
+    for _ in range(5):
+        for p, q in zip(cpu, gpu, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+    assert all(gpu_opt.state[p]["step"].is_cuda for p in gpu[3:])  # the fused kernel's state
+    # AdamW: the fused kernel and the CPU's for-loop differ by float32 rounding only (~1e-7)
+    for p, q in zip(cpu[3:], gpu[3:], strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6)
+    # Muon: bfloat16 Newton-Schulz, whose rounding a GPU's matmuls may place differently: each of
+    # 5 steps moves entries by lr * O(1), a few bfloat16 ulps (0.4% each) of that, so 2e-3.
+    for p, q in zip(cpu[:3], gpu[:3], strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=0, atol=2e-3)
+
+
 def muon_scalar_map(s: np.ndarray, steps: int = 5) -> np.ndarray:
     """What Muon's iteration does to a relative singular value s/||G||_F, in float64."""
     a, b, c = optim.MUON_NS_COEFFICIENTS
