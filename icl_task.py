@@ -96,13 +96,31 @@ def condition_number(X: Tensor) -> Tensor:
     return s[..., 0] / s[..., -1]
 
 
+def well_conditioned(X: Tensor, kappa_max: float) -> Tensor:
+    """cond(X_b) < kappa_max for each X_b of X (..., T, D), T >= D, all at once.
+
+    cond(X)^2 = lambda_max / lambda_min of the D x D Gram matrix X^T X, whose eigenvalues one
+    batched call finds (cheaper than an SVD of each T x D matrix, and batched on CUDA too). In
+    float64 they carry an error ~1e-16 * lambda_max, so the test agrees with `condition_number`
+    except within a relative 1e-16 * kappa_max^2 of the threshold (1e-10 at kappa_max = 1e3);
+    past kappa_max = 1e6 that margin grows, and the SVD decides.
+    """
+    if kappa_max > 1e6:
+        return condition_number(X) < kappa_max
+    Xd = X.double()
+    eig = torch.linalg.eigvalsh(Xd.mT @ Xd)  # ascending
+    return eig[..., -1] < kappa_max**2 * eig[..., 0]
+
+
 def sample_well_conditioned(batch_size: int, n_pairs: int, dim: int,
                             kappa_max: float | None = 1e3, generator: torch.Generator | None = None,
-                            max_rounds: int = 100) -> tuple[Tensor, Tensor]:
+                            max_rounds: int = 100, device: str | torch.device = "cpu",
+                            ) -> tuple[Tensor, Tensor]:
     """X of shape (B, T, D), i.i.d. N(0, 1), each X_b redrawn until cond(X_b) < kappa_max.
 
-    Only the elements that fail are redrawn, all of them at once per round. Returns X and the
-    number of redraws per element. kappa_max None or inf accepts every draw.
+    Drawn on `device` (generator must live there). Only the elements that fail are redrawn, all
+    of them at once per round; on CUDA each round waits for the device, to learn which failed.
+    Returns X and the number of redraws per element. kappa_max None or inf accepts every draw.
     """
     check = kappa_max is not None and not math.isinf(kappa_max)
     if check and n_pairs < dim:
@@ -113,18 +131,18 @@ def sample_well_conditioned(batch_size: int, n_pairs: int, dim: int,
             f"or kappa_max=None to skip the check.")
     if check and kappa_max <= 1:
         raise ValueError(f"kappa_max={kappa_max:g}, but every condition number is >= 1")
-    X = torch.randn(batch_size, n_pairs, dim, generator=generator)
-    resamples = torch.zeros(batch_size, dtype=torch.long)
+    X = torch.randn(batch_size, n_pairs, dim, generator=generator, device=device)
+    resamples = torch.zeros(batch_size, dtype=torch.long, device=device)
     if not check:
         return X, resamples
-    bad = condition_number(X) >= kappa_max
+    bad = ~well_conditioned(X, kappa_max)
     for _ in range(max_rounds):
         idx = bad.nonzero().squeeze(1)
         if len(idx) == 0:
             return X, resamples
-        X[idx] = torch.randn(len(idx), n_pairs, dim, generator=generator)
+        X[idx] = torch.randn(len(idx), n_pairs, dim, generator=generator, device=device)
         resamples[idx] += 1
-        bad[idx] = condition_number(X[idx]) >= kappa_max
+        bad[idx] = ~well_conditioned(X[idx], kappa_max)
     raise RuntimeError(
         f"{int(bad.sum())} of {batch_size} sequences still have cond(X) >= {kappa_max:g} after "
         f"{max_rounds} redraws (n_pairs={n_pairs}, dim={dim}). Raise kappa_max or n_pairs: a "
@@ -135,44 +153,52 @@ def get_batch(batch_size: int, n_pairs: int, *, dim: int = 5, noise_std: float =
               kappa_max: float | None = 1e3, order: str = "random", bias_feature: bool = True,
               generator: torch.Generator | None = None, device: str | torch.device = "cpu",
               ) -> ICLBatch:
-    """A fresh batch of least-squares sequences (Bir et al. §4.1).
+    """A fresh batch of least-squares sequences (Bir et al. §4.1), drawn on `device`.
 
-    All draws come from `generator` (a CPU torch.Generator; None uses torch's global RNG) on
-    the CPU, in the order X, W, order, noise, and the batch is then moved to `device`, so a
-    seed gives the same batch on every device. order: "random" (published), "xy" or "yx".
-    noise_std=0 gives clean tokens for evaluation.
+    All draws come from `generator` (a torch.Generator on `device`; None uses torch's global RNG
+    there) in the order X, W, order, noise, so nothing is copied between host and device. A CPU
+    and a CUDA generator with the same seed give different batches; each is reproducible.
+    order: "random" (published), "xy" or "yx". noise_std=0 gives clean tokens for evaluation.
     """
     if order not in ORDERS:
         raise ValueError(f"order={order!r}; choose one of {ORDERS}")
     if noise_std < 0:
         raise ValueError(f"noise_std={noise_std} must be >= 0")
     B, T, D = batch_size, n_pairs, dim
-    X, resamples = sample_well_conditioned(B, T, D, kappa_max, generator)
-    W = torch.randn(B, D, D, generator=generator) / math.sqrt(D)
+    X, resamples = sample_well_conditioned(B, T, D, kappa_max, generator, device=device)
+    W = torch.randn(B, D, D, generator=generator, device=device) / math.sqrt(D)
     # Bir et al. write y = W x and Y = X W; rows of Y = X W are y = W^T x, the same in law
     Y = X @ W
     if order == "random":
-        y_first = torch.randint(0, 2, (B,), generator=generator)
+        y_first = torch.randint(0, 2, (B,), generator=generator, device=device)
     else:
-        y_first = torch.full((B,), int(order == "yx"), dtype=torch.long)
-    pair_start = 2 * torch.arange(T)
+        y_first = torch.full((B,), int(order == "yx"), dtype=torch.long, device=device)
+    pair_start = 2 * torch.arange(T, device=device)
     x_pos = pair_start + y_first[:, None]
     y_pos = pair_start + 1 - y_first[:, None]
     x_seen = X
     if noise_std > 0:
-        x_seen = X + noise_std * torch.randn(B, T, D, generator=generator)
+        x_seen = X + noise_std * torch.randn(B, T, D, generator=generator, device=device)
+    tokens = pair_tokens(x_seen, Y, y_first, bias_feature)
+    return ICLBatch(tokens=tokens, targets=Y, x_pos=x_pos, y_pos=y_pos, X=X, W=W,
+                    order=y_first, resamples=resamples, noise_std=float(noise_std))
 
-    tokens = torch.zeros(B, 2 * T, token_dim(D, bias_feature))
-    rows = torch.arange(B)[:, None]
-    tokens[rows, x_pos, 0] = 1.0
-    tokens[rows, x_pos, 2:2 + D] = x_seen
-    tokens[rows, y_pos, 1] = 1.0
-    tokens[rows, y_pos, 2 + D:2 + 2 * D] = Y
+
+def pair_tokens(x_seen: Tensor, Y: Tensor, y_first: Tensor, bias_feature: bool) -> Tensor:
+    """Tokens (B, 2T, token_dim): pair t is (x-token, y-token), swapped in sequences with y_first.
+
+    Built from slices and one select rather than scattered writes: a few kernels on a GPU.
+    """
+    B, T, D = Y.shape
+    pairs = torch.zeros(B, T, 2, token_dim(D, bias_feature), device=Y.device)
+    pairs[:, :, 0, 0] = 1.0
+    pairs[:, :, 0, 2:2 + D] = x_seen
+    pairs[:, :, 1, 1] = 1.0
+    pairs[:, :, 1, 2 + D:2 + 2 * D] = Y
     if bias_feature:
-        tokens[..., -1] = 1.0
-    batch = ICLBatch(tokens=tokens, targets=Y, x_pos=x_pos, y_pos=y_pos, X=X, W=W,
-                     order=y_first, resamples=resamples, noise_std=float(noise_std))
-    return batch.to(device)
+        pairs[..., -1] = 1.0
+    pairs = torch.where(y_first.bool()[:, None, None, None], pairs.flip(2), pairs)  # "yx" order
+    return pairs.view(B, 2 * T, -1)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -303,19 +329,24 @@ def baseline_losses(batch: ICLBatch, ridge: float | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- training
 
-def seeded_generator(*parts: int) -> torch.Generator:
-    """A CPU generator whose seed is a well-mixed function of integers (seed, stream, ...)."""
+def seeded_generator(*parts: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator on `device` whose seed is a well-mixed function of integers (seed, stream, ...).
+
+    The seed does not depend on the device, but the streams do: the CPU's Mersenne Twister and
+    CUDA's Philox turn one seed into different numbers (CUDA's may also vary between GPU models).
+    """
     seed = int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 class LeastSquaresTask:
     """train.py's view of the task: fresh batches, a fixed eval set, the loss, extra metrics.
 
-    Batch k of iteration i is drawn from seeded_generator(seed, 0, i, k), so it does not depend
-    on which rank draws it. The eval splits are fixed sets of icl_eval_batches batches drawn
-    like the training batches (same noise and order): "train" is what Bir et al. report, "val"
-    a second, independent set used to pick checkpoints.
+    Batch k of iteration i is drawn on the training device from seeded_generator(seed, 0, i, k),
+    so it does not depend on which rank draws it (it does differ between CPU and CUDA runs). The
+    eval splits are fixed sets of icl_eval_batches batches drawn like the training batches (same
+    noise and order, streams 1 and 2, iteration -1): "train" is what Bir et al. report, "val" a
+    second, independent set used to pick checkpoints.
     """
 
     def __init__(self, cfg, model_args: dict, device: str):
@@ -334,7 +365,7 @@ class LeastSquaresTask:
         self.bounds = eval_set_baselines(self.eval_sets["val"])
 
     def draw(self, stream: int, iteration: int, index: int) -> ICLBatch:
-        g = seeded_generator(self.seed, stream, iteration, index)
+        g = seeded_generator(self.seed, stream, iteration, index, device=self.kwargs["device"])
         return get_batch(self.batch_size, self.n_pairs, generator=g, **self.kwargs)
 
     def train_batch(self, iteration: int, index: int) -> ICLBatch:

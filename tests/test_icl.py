@@ -27,14 +27,19 @@ from icl_task import (
     sample_well_conditioned,
     split_losses,
     token_dim,
+    well_conditioned,
 )
 from train_config import TrainConfig
 
 D = 5
+# batches are drawn on the training device; CUDA's generator gives other numbers than the CPU's, so
+# on CUDA only the statistical and reproducibility tests apply
+DEVICES = ["cpu", pytest.param("cuda", marks=(pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")))]
 
 
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def gen(seed: int = 0, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def at(tensor: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -80,10 +85,11 @@ def test_invalid_order_is_rejected_with_the_choices():
 
 # ----------------------------------------------------------------------------- values
 
-def test_noise_touches_only_x_values_of_x_tokens():
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_touches_only_x_values_of_x_tokens(device):
     noise_std, B, T = 0.01, 512, 16
-    noisy = get_batch(B, T, noise_std=noise_std, generator=gen(1))
-    clean = get_batch(B, T, noise_std=0.0, generator=gen(1))  # same draws; noise comes last
+    noisy = get_batch(B, T, noise_std=noise_std, generator=gen(1, device), device=device).to("cpu")
+    clean = get_batch(B, T, noise_std=0.0, generator=gen(1, device), device=device).to("cpu")  # noise comes last
     assert torch.equal(noisy.X, clean.X) and torch.equal(noisy.targets, clean.targets)
     diff = noisy.tokens - clean.tokens
     x_slots = torch.zeros_like(diff, dtype=torch.bool)
@@ -104,8 +110,9 @@ def test_targets_are_X_times_W_and_y_tokens_carry_them_noise_free():
     assert torch.equal(y_tok[..., 2 + D:2 + 2 * D], batch.targets)
 
 
-def test_W_entries_have_variance_one_over_dim_and_X_entries_are_standard_normal():
-    batch = get_batch(4096, 8, noise_std=0.0, generator=gen(3))
+@pytest.mark.parametrize("device", DEVICES)
+def test_W_entries_have_variance_one_over_dim_and_X_entries_are_standard_normal(device):
+    batch = get_batch(4096, 8, noise_std=0.0, generator=gen(3, device), device=device).to("cpu")
     for values, var in ((batch.W, 1 / D), (batch.X, 1.0)):
         v = values.double().flatten()
         n = v.numel()  # 102400 (W), 163840 (X)
@@ -114,28 +121,92 @@ def test_W_entries_have_variance_one_over_dim_and_X_entries_are_standard_normal(
         assert abs(v.var().item() / var - 1) < 5 * math.sqrt(2 / n)
 
 
-def test_random_order_is_a_fair_coin():
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_order_is_a_fair_coin(device):
     n = 20000
-    batch = get_batch(n, 5, generator=gen(4))
+    batch = get_batch(n, 5, generator=gen(4, device), device=device).to("cpu")
     # binomial: std of the fraction is 0.5 / sqrt(n) = 0.0035
     assert abs(batch.order.double().mean().item() - 0.5) < 5 * 0.5 / math.sqrt(n)
     assert torch.equal(batch.x_pos[:, 0], batch.order)  # x_1 at position 0 or 1
 
 
-def test_same_seed_gives_same_batch_and_other_seed_a_different_one():
-    a, b, c = (get_batch(32, 8, generator=gen(s)) for s in (7, 7, 8))
-    for name in ("tokens", "targets", "x_pos", "y_pos", "X", "W", "order"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_seed_gives_same_batch_and_other_seed_a_different_one(device):
+    a, b, c = (get_batch(32, 8, generator=gen(s, device), device=device) for s in (7, 7, 8))
+    for name in ("tokens", "targets", "x_pos", "y_pos", "X", "W", "order", "resamples"):
+        assert getattr(a, name).device.type == device, name  # drawn there, not copied over
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert not torch.equal(a.tokens, c.tokens) and not torch.equal(a.W, c.W)
 
 
 # ----------------------------------------------------------------------------- conditioning
 
-def test_every_X_meets_kappa_max():
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_X_meets_kappa_max(device):
     kappa_max = 50.0
-    batch = get_batch(2048, D, kappa_max=kappa_max, generator=gen(5))  # square: often > 50
-    assert batch.resamples.sum() > 0
-    assert (condition_number(batch.X) < kappa_max).all()
+    batch = get_batch(2048, D, kappa_max=kappa_max, generator=gen(5, device), device=device).to("cpu")
+    assert batch.resamples.sum() > 0  # square: often > 50
+    assert (condition_number(batch.X) < kappa_max).all()  # the SVD's verdict, not the sampler's
+
+
+def test_the_gram_test_of_conditioning_agrees_with_the_svd():
+    # square Gaussians spread cond over decades (a third below 10, 99% below 1e3), and nearly repeating a
+    # column puts it near 1e7 (median 8e6), so each threshold splits the draws; 1e7 takes the SVD path
+    X = torch.randn(4096, D, D, generator=gen(19))
+    near = X.clone()
+    near[:, :, 1] = X[:, :, 0] + 1e-6 * X[:, :, 1]
+    both = torch.cat([X, near])
+    for kappa_max in (10.0, 20.0, 1e3, 1e6, 1e7):
+        assert torch.equal(well_conditioned(both, kappa_max), condition_number(both) < kappa_max), kappa_max
+    singular = X.clone()
+    singular[:, :, 1] = X[:, :, 0]
+    assert not well_conditioned(singular, 1e3).any()
+
+
+def reference_draws(B: int, T: int, kappa_max: float, noise_std: float, g: torch.Generator):
+    """The sampler as first written, kept to compare against (Bir et al. §4.1): X_b ~ N(0, 1) entries,
+    redrawn until sigma_max / sigma_min < kappa_max by an SVD in float64, then W ~ N(0, 1/D), a fair
+    coin for the order and N(0, noise_std^2) noise on x, in that order from one CPU generator."""
+    def bad(X):
+        s = torch.linalg.svdvals(X.double())
+        return s[:, 0] / s[:, -1] >= kappa_max
+    X = torch.randn(B, T, D, generator=g)
+    redo, resamples = bad(X), torch.zeros(B, dtype=torch.long)
+    while redo.any():
+        idx = redo.nonzero().squeeze(1)
+        X[idx] = torch.randn(len(idx), T, D, generator=g)
+        resamples[idx] += 1
+        redo[idx] = bad(X[idx])
+    W = torch.randn(B, D, D, generator=g) / math.sqrt(D)
+    order = torch.randint(0, 2, (B,), generator=g)
+    return X, W, order, X + noise_std * torch.randn(B, T, D, generator=g), resamples
+
+
+@pytest.mark.parametrize("B, T, kappa_max", [(256, 64, 1e3), (512, D, 20.0)])
+def test_cpu_batches_are_the_reference_sampler_bit_for_bit(B, T, kappa_max):
+    # the default setting (no redraws in practice) and a square one where 38% of X's are redrawn
+    batch = get_batch(B, T, kappa_max=kappa_max, generator=gen(20))
+    X, W, order, x_seen, resamples = reference_draws(B, T, kappa_max, 0.01, gen(20))
+    assert torch.equal(batch.X, X) and torch.equal(batch.W, W) and torch.equal(batch.order, order)
+    assert torch.equal(at(batch.tokens, batch.x_pos)[..., 2:2 + D], x_seen)
+    assert torch.equal(batch.resamples, resamples)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conditioned_X_has_the_reference_distribution(device):
+    # Rejection shapes X's law; compare it with the reference's (other draws) by two statistics whose
+    # difference of means has a known standard error: the share of X's redrawn at least once (binomial)
+    # and the mean of log cond(X) (std estimated from both samples). 5 sigma on each, as in the rest of
+    # the file; a 1.2x looser kappa_max lowers the share by 0.06, over 5 sigma (0.038).
+    B, kappa_max = 8192, 20.0
+    batch = get_batch(B, D, kappa_max=kappa_max, generator=gen(21, device), device=device).to("cpu")
+    X_ref, _, _, _, resamples_ref = reference_draws(B, D, kappa_max, 0.01, gen(22))
+    redrawn = (batch.resamples > 0).double().mean().item(), (resamples_ref > 0).double().mean().item()
+    p = sum(redrawn) / 2  # about 0.38
+    assert abs(redrawn[0] - redrawn[1]) < 5 * math.sqrt(p * (1 - p) * 2 / B)
+    log_cond = condition_number(batch.X).log(), condition_number(X_ref).log()
+    se = math.sqrt(sum(v.var().item() / B for v in log_cond))
+    assert abs(log_cond[0].mean().item() - log_cond[1].mean().item()) < 5 * se
 
 
 def test_condition_number_matches_torch_for_tall_X_and_is_infinite_for_wide_X():
@@ -284,8 +355,10 @@ def task_config(order: str) -> SimpleNamespace:
                            icl_pairs=8, icl_eval_batches=3, batch_size=32, seed=5)
 
 
-def test_training_batches_depend_only_on_iteration_and_index():
-    task = LeastSquaresTask(task_config("random"), {}, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_batches_depend_only_on_iteration_and_index(device):
+    task = LeastSquaresTask(task_config("random"), {}, device)
+    assert task.train_batch(3, 1).tokens.device.type == task.eval_sets["val"][0].W.device.type == device
     assert task.model_defaults == {"in_features": 13, "out_features": D, "embed_fan_in": 7,
                                    "block_size": 16}
     assert torch.equal(task.train_batch(3, 1).tokens, task.train_batch(3, 1).tokens)
@@ -331,17 +404,18 @@ def test_the_demo_refuses_a_seed_train_py_refuses(monkeypatch, capsys, seed):
 
 # ----------------------------------------------------------------------------- eval sets, noise, bounds
 
-def small_task(**changes) -> LeastSquaresTask:
+def small_task(device: str = "cpu", **changes) -> LeastSquaresTask:
     """The task as train.py builds it from TrainConfig's defaults, at a tiny size."""
     cfg = dataclasses.replace(TrainConfig(), **{**dict(batch_size=16, icl_pairs=8, icl_eval_batches=4), **changes})
-    return LeastSquaresTask(cfg, {}, "cpu")
+    return LeastSquaresTask(cfg, {}, device)
 
 
-def test_eval_sets_are_independent_of_each_other_and_of_the_first_training_batches():
+@pytest.mark.parametrize("device", DEVICES)
+def test_eval_sets_are_independent_of_each_other_and_of_the_first_training_batches(device):
     # "val" picks checkpoints and "train" reports the fit: both must be draws of their own, and a set
     # that repeats training batches would score memorized sequences. Independent draws of W are never
     # equal, so any equal pair means a shared random stream.
-    task = small_task()
+    task = small_task(device)
     train_set, val_set = task.eval_sets["train"], task.eval_sets["val"]
     assert len(train_set) == len(val_set) == 4
     seen = [task.train_batch(i, k) for i in range(4) for k in range(4)]
