@@ -14,6 +14,7 @@ than it was not measured.
     python bench.py --threads 1 --clock cpu          # on a machine shared with other jobs
     python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
     python bench.py --schemes geonorm,dnt --optimizers none --profile 5   # which ops cost the time
+    python bench.py --gpu_report                     # everything a GPU should show, one report (gpu_report.py)
 
 MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
 the datasheet dense bf16 peak on a known GPU; on a CPU, a matmul peak measured by this run.
@@ -46,7 +47,7 @@ SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
     "cpu_wide": (4, 8, 512, 256, 8, 96),  # the same at twice the width: matmuls 4x, elementwise passes 2x
     "small": (4, 4, 128, 128, 16, 80),  # configs/quickstart.py
-    "124m": (12, 12, 768, 1024, 8, 50304),  # GPT-2 small
+    "124m": (12, 12, 768, 1024, 16, 50304),  # GPT-2 small; 16 x 1024 tokens a step keep a GPU's matmuls busy
     "tiny": (2, 2, 32, 16, 2, 64),  # a smoke test
 }
 
@@ -242,8 +243,36 @@ def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_mod
     if opt_name is not None:
         optimizer = optim.build_optimizer(model, opt_name, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                                           device_type=device.split(":")[0], matrix_lr=1e-3)
-    runner = torch.compile(model) if compile_model else model
+    runner = torch.compile(model, dynamic=False) if compile_model else model  # static shapes, as every case has
     return make_step(runner, optimizer, batch, autocast), model, optimizer
+
+
+@contextlib.contextmanager
+def compiling_many(cases: int):
+    """Room for one compiled graph of GPT.forward per case: past dynamo's recompile limit (8) the remaining
+    cases would run eager under a compiled label. Hitting the limit anyway is an error, not a fallback."""
+    config = torch._dynamo.config
+    saved = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit, config.fail_on_recompile_limit_hit = max(saved[0], 2 * cases), True
+    try:
+        yield
+    finally:
+        config.recompile_limit, config.fail_on_recompile_limit_hit = saved
+
+
+def how_it_ran(step: Callable[[], None], compiled: bool) -> str:
+    """Run one step and say how: eager, or compiled into how many graphs (graph breaks split a model's forward
+    into several; 'reused' when an identical model compiled before it in this process)."""
+    if not compiled:
+        step()
+        return "eager"
+    counters = torch._dynamo.utils.counters
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    step()
+    graphs, breaks = counters["stats"]["unique_graphs"] - graphs, sum(counters["graph_break"].values()) - breaks
+    if graphs == 0:
+        return "compiled (reused)"
+    return f"compiled, {graphs} graph{'s' * (graphs > 1)}" + (f", {breaks} break{'s' * (breaks > 1)}" if breaks else "")
 
 
 def load_nanogpt(path: str) -> types.ModuleType:
@@ -276,7 +305,7 @@ def nanogpt_case(path: str, shape: str, device: str, compile_model: bool, batch,
                          "give the path of nanoGPT's model.py") from None
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.startswith("cuda"))
-    runner = torch.compile(model) if compile_model else model
+    runner = torch.compile(model, dynamic=False) if compile_model else model
     return make_step(runner, optimizer, batch, autocast)
 
 
@@ -286,14 +315,14 @@ def report(title: str, rows: list[dict], baseline: str, rounds: int) -> None:
     too_few = "" if interval else "; too few rounds for the median's 95% CI: give --rounds 6 or more"
     print(f"\n{title} (ratios against {baseline} in the same round, median over {rounds} rounds{too_few})\n")
     print(f"| case | ms/step | x {baseline} | rounds' IQR | median's 95% CI | tokens/s | MFU | peak GiB "
-          "| opt. state MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| opt. state MB | ran |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"  # not measured on a CPU
         ci = f"{r['ratio_lo']:.3f}–{r['ratio_hi']:.3f}" if interval else "-"
         print(f"| {r['name']} | {1000 * r['seconds']:.1f} | {r['ratio']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} "
               f"| {ci} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {peak} "
-              f"| {r['state_bytes'] / 2**20:.1f} |")
+              f"| {r['state_bytes'] / 2**20:.1f} | {r.get('ran', '')} |")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -338,6 +367,8 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
           f"shape {shape} (L{n_layer} d{n_embd} T{block_size} B{batch_size}), peak {peak / 1e12:.3g} TFLOP/s",
           flush=True)
 
+    ran: dict[str, str] = {}
+
     def measure(cases: dict, flops: dict, states: dict, baseline: str) -> list[dict]:
         times = time_interleaved(cases, device, rounds, warmup, clock)
         spread = ratio_spread(times, baseline)
@@ -346,15 +377,16 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
             s = statistics.median(ts)
             rows.append({"name": k, "seconds": s, **spread[k], "tokens_per_s": tokens / s,
                          "mfu": flops[k] * tokens / s / peak, "peak_gib": peak_memory(cases[k], device),
-                         "state_bytes": states.get(k, 0)})
+                         "state_bytes": states.get(k, 0), "ran": ran[k]})
         return rows
 
     def build_all(variants: dict[str, tuple[GPTConfig, str]]) -> tuple[dict, dict, dict]:
         cases, flops, states = {}, {}, {}
-        for label, (config, opt_name) in variants.items():
-            step, model, opt = build_case(config, opt_name, device, compile_model, batch, autocast)
-            step()  # creates the optimizer state before it is counted
-            cases[label], flops[label], states[label] = step, model.flops_per_token(block_size), state_bytes(opt)
+        with compiling_many(len(variants) + 1):
+            for label, (config, opt_name) in variants.items():
+                step, model, opt = build_case(config, opt_name, device, compile_model, batch, autocast)
+                ran[label] = how_it_ran(step, compile_model)  # the first step compiles and creates optimizer state
+                cases[label], flops[label], states[label] = step, model.flops_per_token(block_size), state_bytes(opt)
         return cases, flops, states
 
     tables: dict[str, list[dict]] = {}
@@ -364,6 +396,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
         cases, flops, states = build_all(variants)
         if nanogpt_step:
             cases["nanoGPT (pre)"] = nanogpt_step
+            ran["nanoGPT (pre)"] = how_it_ran(nanogpt_step, compile_model)
             flops["nanoGPT (pre)"], states["nanoGPT (pre)"] = flops["pre"], states["pre"]
         tables["schemes"] = measure(cases, flops, states, "pre")
         report("Schemes, AdamW step", tables["schemes"], "pre", rounds)
@@ -411,6 +444,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    if "--gpu_report" in sys.argv[1:]:  # one command that checks a GPU: gpu_report.py
+        import gpu_report
+
+        sys.exit(gpu_report.main([a for a in sys.argv[1:] if a != "--gpu_report"]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="cpu")
     p.add_argument("--schemes", default="all",

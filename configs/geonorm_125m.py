@@ -1,7 +1,9 @@
 # GeoNorm 125M (App. A): harmonic decay, clamp pi/4, 12 layers, d 768, seq 512.
 # The paper trained on Arxiv and Books3 (losses 1.8792 / 3.4040) and on FineWeb-Edu for its
 # larger runs; Arxiv/Books3 are not openly distributable, so the default here is FineWeb-Edu
-# (python prepare_data.py fineweb_edu). Expects 8 GPUs: torchrun --nproc_per_node=8.
+# (python prepare_data.py fineweb_edu). Runs on any of 1, 2, 4 or 8 GPUs: torchrun --nproc_per_node=8.
+import os
+
 dataset = "fineweb_edu"
 out_dir = "out/geonorm_125m"
 norm_scheme = "geonorm"
@@ -13,9 +15,14 @@ n_embd = 768
 block_size = 512
 dropout = 0.0
 bias = True
-# global batch of 32 sequences (App. A) = 4 per micro-batch x 8 micro-batches (1 per GPU on 8)
-batch_size = 4
-gradient_accumulation_steps = 8
+# Global batch of 32 sequences (App. A), one micro-batch per GPU: 32 x 512 tokens on one GPU (micro-batches
+# of 4 would leave it waiting on kernel launches), 4 x 512 on each of eight. The same number of sequences
+# either way, but not the same ones: each micro-batch draws its own, so runs on other GPU counts differ.
+_gpus = int(os.environ.get("WORLD_SIZE", "1"))
+if 32 % _gpus:
+    raise ValueError(f"the global batch of 32 sequences does not split over {_gpus} GPUs: use 1, 2, 4, 8, 16 or 32")
+batch_size = 32 // _gpus
+gradient_accumulation_steps = _gpus
 max_iters = 50000
 lr_decay_iters = 50000
 learning_rate = 6e-4

@@ -1,5 +1,5 @@
 # GeoNorm 350M (App. A): 24 layers, 16 heads, d 1024, lr 3e-4, otherwise as 125M.
-# Default data: FineWeb-Edu (python prepare_data.py fineweb_edu). Expects 8 GPUs.
+# Default data: FineWeb-Edu (python prepare_data.py fineweb_edu). On 1 to 8 GPUs, as 125M.
 from configs.geonorm_125m import *  # noqa: F403
 
 out_dir = "out/geonorm_350m"
