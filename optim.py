@@ -61,12 +61,13 @@ def _quintic_step(X: Tensor, a: float, b: float, c: float) -> Tensor:
     return fused(X, fused(gram, gram, gram, beta=b, alpha=c), X, beta=a)
 
 
-def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Muon's orthogonalization: `steps` quintic steps with Muon's coefficients, in bfloat16,
-    after dividing by the Frobenius norm (so the spectral norm is <= 1). Returns bfloat16
+def zeropower_newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7,
+                            dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Muon's orthogonalization: `steps` quintic steps with Muon's coefficients, in `dtype` (bfloat16, as
+    Muon runs it), after dividing by the Frobenius norm (so the spectral norm is <= 1). Returns
     U S' V^T with S' in a band around 1, not U V^T; `msign` is the accurate version.
     G is a matrix or a batch of equal shapes (b x m x n), each normalized by its own norm."""
-    X = G.bfloat16()
+    X = G.to(dtype)
     # Iterate on the wide orientation (the Gram matrix is smaller) as a transposed view, the layout
     # torch.optim.Muon iterates on: the CPU's bfloat16 matmul rounds a contiguous copy differently.
     tall = X.size(-2) > X.size(-1)
@@ -415,7 +416,15 @@ def _muon_lr_scale(shape: torch.Size, adjust_lr: str) -> float:
     return 0.2 * max(rows, cols) ** 0.5  # "match_rms_adamw" (Moonshot): update RMS ~ AdamW's
 
 
+NS_DTYPES = ("auto", "bfloat16", "float32")
 MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+
+
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware multiplies it (GPUs, CPUs with AVX-512 bf16 or AMX); float32 on other CPUs,
+    where bfloat16 matmuls are emulated 30-40x slower than float32 ones (the same iteration, rounded less)."""
+    native = device.type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 class Muon(_MatrixAndAdamW):
@@ -424,7 +433,7 @@ class Muon(_MatrixAndAdamW):
     For a matrix W (rows x cols) with gradient g, Keller Jordan's Muon:
 
         buf <- mu buf + (1 - mu) g;    d = (1 - mu) g + mu buf  (Nesterov) or buf
-        O   = NS_5(d)                  (zeropower_newton_schulz: bfloat16, Frobenius-normalized)
+        O   = NS_5(d)                  (zeropower_newton_schulz: bfloat16, Frobenius-normalized; ns_dtype)
         W   <- W (1 - lr wd)           (decoupled weight decay, unscaled lr as torch does)
         W   <- W - lr s O,   s = sqrt(max(1, rows/cols))  ("original")
                              s = 0.2 sqrt(max(rows, cols)) ("match_rms_adamw", Muon is Scalable)
@@ -434,6 +443,8 @@ class Muon(_MatrixAndAdamW):
     foreach ops per shape instead of a chain of kernels per matrix (the CPU's batched bfloat16
     matmul gives the same bits as one matrix at a time; a GPU's may round differently). "adamw"
     groups use adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay unless they set their own.
+    ns_dtype "auto" runs NS_5 in bfloat16 where the hardware has it and in float32 on CPUs that only
+    emulate bfloat16 (`newton_schulz_dtype`); "bfloat16" is torch.optim.Muon's choice everywhere.
     Bir et al. used Muon with lr 1e-3, wd 0.01, mu 0.95.
     """
 
@@ -452,11 +463,14 @@ class Muon(_MatrixAndAdamW):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         distributed: bool = True,
+        ns_dtype: str = "auto",
     ) -> None:
         if adjust_lr not in MUON_LR_ADJUSTMENTS:
             raise ValueError(f"adjust_lr must be one of {MUON_LR_ADJUSTMENTS}, got {adjust_lr!r}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
         matrix_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                               weight_decay=weight_decay, adjust_lr=adjust_lr)
+                               weight_decay=weight_decay, adjust_lr=adjust_lr, ns_dtype=ns_dtype)
         adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                               weight_decay=adamw_weight_decay)
         super().__init__(params, matrix_defaults, adamw_params, adamw_defaults, distributed)
@@ -476,7 +490,9 @@ class Muon(_MatrixAndAdamW):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         # `_momentum_direction` per matrix: (1 - mu) g + mu buf (Nesterov) or buf
         directions = torch._foreach_lerp([p.grad for p in params], bufs, mu) if group["nesterov"] else bufs
-        update = zeropower_newton_schulz(torch.stack(directions), group["ns_steps"])
+        auto = group["ns_dtype"] == "auto"
+        dtype = newton_schulz_dtype(params[0].device) if auto else getattr(torch, group["ns_dtype"])
+        update = zeropower_newton_schulz(torch.stack(directions), group["ns_steps"], dtype=dtype)
         if wd != 0:
             torch._foreach_mul_(params, 1 - lr * wd)
         scale = _muon_lr_scale(params[0].shape, group["adjust_lr"])

@@ -127,7 +127,7 @@ def test_muon_matrix_update_equals_torch_muon(shape, adjust_lr, nesterov):
     ours = nn.Parameter(torch.randn(shape))
     ref = nn.Parameter(ours.detach().clone())
     settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, ns_steps=5)
-    ours_opt = Muon([ours], adjust_lr=adjust_lr, **settings)
+    ours_opt = Muon([ours], adjust_lr=adjust_lr, ns_dtype="bfloat16", **settings)  # torch.optim.Muon's dtype
     ref_opt = torch.optim.Muon([ref], adjust_lr_fn=adjust_lr, **settings)
     for _ in range(5):
         g = torch.randn(shape)
@@ -147,7 +147,7 @@ def test_muon_batches_equal_shapes_bit_for_bit_as_torch_muon(batch_size):
     ours = [nn.Parameter(torch.randn(s)) for s in shapes]
     ref = [nn.Parameter(p.detach().clone()) for p in ours]
     settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
-    ours_opt = Muon(ours, **settings)
+    ours_opt = Muon(ours, ns_dtype="bfloat16", **settings)
     ours_opt.BATCH_SIZE = batch_size
     ref_opt = torch.optim.Muon(ref, adjust_lr_fn="original", **settings)
     batches = ours_opt._batches([(p, ours_opt.param_groups[0], False) for p in ours])
@@ -164,6 +164,28 @@ def test_muon_batches_equal_shapes_bit_for_bit_as_torch_muon(batch_size):
             assert torch.equal(p, q)
 
 
+def test_muon_runs_newton_schulz_in_the_dtype_the_hardware_multiplies():
+    """"auto": bfloat16 on a GPU or a CPU with native bfloat16 matmuls, float32 where they are emulated (30-40x
+    slower there); the step is then exactly the one of that dtype given by name."""
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert optim.newton_schulz_dtype(torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert optim.newton_schulz_dtype(torch.device("cuda")) == torch.bfloat16
+    torch.manual_seed(0)
+    start, grads = torch.randn(16, 8), [torch.randn(16, 8) for _ in range(3)]
+    steps = {}
+    for dtype in ("auto", "bfloat16", "float32"):
+        p = nn.Parameter(start.clone())
+        opt = Muon([p], lr=0.02, ns_dtype=dtype)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        steps[dtype] = p.detach()
+    assert torch.equal(steps["auto"], steps["bfloat16" if native else "float32"])
+    assert not torch.equal(steps["bfloat16"], steps["float32"])
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([nn.Parameter(start.clone())], ns_dtype="fp8")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_muon_on_cuda_matches_the_cpu_step():
@@ -173,7 +195,7 @@ def test_muon_on_cuda_matches_the_cpu_step():
     gpu = [nn.Parameter(p.detach().cuda()) for p in cpu]
 
     def build(params):
-        return Muon(params[:3], lr=0.02, weight_decay=0.1, adamw_lr=3e-3,
+        return Muon(params[:3], lr=0.02, weight_decay=0.1, adamw_lr=3e-3, ns_dtype="bfloat16",
                     adamw_params=[{"params": [params[3]]}, {"params": [params[4]], "weight_decay": 0.1}])
 
     cpu_opt, gpu_opt = build(cpu), build(gpu)
