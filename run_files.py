@@ -297,16 +297,17 @@ def strict_json(value):
 
 class MetricsLog:
     """metrics.jsonl: one JSON object per line, non-finite numbers as null. A fresh run starts it anew,
-    a resumed run drops the lines past its checkpoint (and a line cut short by a kill), and the evaluation
-    at its checkpoint's iteration if it evaluates there again (`reevaluates`). `lines` counts the lines
-    written so far; a checkpoint records it, and a resumed run (`logged_lines`, that record) refuses a log
-    that has lost some of them since, unless it is empty (the user chose to go on without the history)."""
+    a resumed run moves the lines past its checkpoint (and a line cut short by a kill) to metrics.jsonl.dropped,
+    and drops the evaluation at its checkpoint's iteration if it evaluates there again (`reevaluates`).
+    `lines` counts the lines written so far; a checkpoint records it, and a resumed run (`logged_lines`, that
+    record) refuses a log that has lost some of them since, unless it is empty (the user chose to go on
+    without the history)."""
 
     def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None,
                  reevaluates: bool = True, logged_lines: int | None = None):
         self.path, self.enabled, self.wandb = os.path.join(out_dir, METRICS_NAME), enabled, wandb_run
         self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
-        self.lines = 0
+        self.lines, self.moved = 0, None  # moved: what a resumed run moved aside, in words
         if enabled and resume_iter and not os.path.lexists(self.path):
             raise ConfigError(f"{self.path} is missing, so the resumed run's log would start at iter {resume_iter} "
                               f"without its history; restore it, or create an empty one (touch {self.path}) to go "
@@ -330,6 +331,15 @@ class MetricsLog:
             kept_there = ("train",) if reevaluates else ("train", "eval")  # the resumed run logs the rest again
             kept = [line for line, p in zip(lines, places, strict=True)
                     if p is not None and (p[0] < resume_iter or p[0] == resume_iter and p[1] in kept_there)]
+            later = [line.rstrip(b"\n") + b"\n" for line, p in zip(lines, places, strict=True)
+                     if p is None or p[0] > resume_iter]
+            if later:  # e.g. evaluations after the best one, which ckpt.pt holds (always_save_checkpoint=False)
+                with open(self.path + ".dropped", "ab") as f:
+                    f.writelines(later)
+                iters = [p[0] for p in places if p is not None and p[0] > resume_iter]
+                span = f" (iters {min(iters)}-{max(iters)})" if iters else ""
+                self.moved = (f"{METRICS_NAME}: moved {len(later)} lines past iter {resume_iter}{span} to "
+                              f"{self.path}.dropped: this run goes on from the checkpoint at iter {resume_iter}")
             with open(self.path + ".tmp", "wb") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)

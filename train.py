@@ -35,7 +35,9 @@ so does a non-finite eval loss at the end of the run or after an interval in whi
 No checkpoint is written from a state whose eval loss is not finite.
 Exit code 4: stopped by SIGTERM or SIGINT, the last completed iteration saved and {"kind": "status",
 "status": "stopped", ...} logged; one process checks after every iteration, several agree at the next
-log line (in the all-reduce they do there anyway). A second SIGINT stops at once: exit code 130.
+log line (in the all-reduce they do there anyway). The last checkpoint is kept instead when that state
+may be poisoned (batches skipped as non-finite since the last evaluation); a stop during the setup ends
+the run before its first iteration, with nothing written. A second SIGINT stops at once: exit code 130.
 
 Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
 and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
@@ -122,6 +124,9 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
         return Dist(), device
     ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl" and not (device.startswith("cuda") and dist.is_nccl_available()):
+        raise ConfigError(f"backend='nccl' needs CUDA devices and a torch built with NCCL; this run is on {device}: "
+                          "use --backend=gloo or --backend=auto")
     if device.startswith("cuda"):
         device = f"cuda:{ddp.local_rank}"
         torch.cuda.set_device(device)
@@ -178,11 +183,16 @@ def agreed(action: Callable[[], T], device: str, what: str) -> T:
 @contextlib.contextmanager
 def claim_out_dir(out_dir: str, ddp: Dist, device: str):
     """Rank 0 holds out_dir's lock for the whole run; every rank learns whether it got it, so all stop together."""
+    created = not os.path.exists(out_dir)
     lock = agreed(lambda: OutDirLock(out_dir) if ddp.master else None, device, f"claim out_dir {out_dir!r}")
     try:
         yield
     finally:
         if lock is not None:
+            if created and os.listdir(out_dir) == [os.path.basename(lock.path)]:  # a run that wrote nothing
+                os.remove(lock.path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(out_dir)
             lock.release()
 
 
@@ -364,6 +374,28 @@ class LanguageModelTask:
 
     def eval_splits(self) -> tuple[str, ...]:
         return ("train", "val")
+
+
+def check_batch_fits(cfg: TrainConfig, model_args: dict, device: str) -> None:
+    """Refuse a batch_size that cannot fit before anything is allocated (else an allocator error, or the kernel's
+    OOM kill). A lower bound: one micro-batch's input to the first block in 2-byte floats, and the ICL task's
+    fixed eval sets in float32."""
+    from icl_task import token_dim
+
+    seq = 2 * cfg.icl_pairs if cfg.task == "icl" else model_args.get("block_size", MODEL_KEYS["block_size"].default)
+    need = cfg.batch_size * seq * model_args.get("n_embd", MODEL_KEYS["n_embd"].default) * 2
+    if cfg.task == "icl":
+        need += 2 * cfg.icl_eval_batches * cfg.batch_size * seq * token_dim(cfg.icl_dim, cfg.icl_bias_feature) * 4
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif device == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return
+    if need > total:
+        raise ConfigError(f"batch_size={cfg.batch_size} needs at least {need / 2**30:,.0f} GiB, more than {device}'s "
+                          f"{total / 2**30:,.0f} GiB of memory; lower --batch_size (and raise "
+                          "--gradient_accumulation_steps to keep the tokens per iteration)")
 
 
 def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool):
@@ -795,12 +827,17 @@ def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
         return
     keys = ("tokenizer", "vocab_size", "chars", "token_ids")
     differ = [k for k in keys if saved.get(k) != task.data.meta.get(k)]
+    same_name = checkpoint["config"].get("dataset") == cfg.dataset
+    if differ and same_name:
+        raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(differ)} "
+                          "differ), so the model would read the wrong tokens; prepare the data as it was, or start "
+                          "a new run with another --out_dir")
     if differ:
         raise ConfigError(f"{task.data.path} does not encode text as the checkpoint's training data did ("
                           f"{', '.join(differ)} differ), so the model would read the wrong tokens; use the dataset "
                           f"it was trained on (--dataset={checkpoint['config']['dataset']}) or start a new run "
                           "with another --out_dir")
-    if checkpoint["config"].get("dataset") != cfg.dataset:
+    if not same_name:
         return
     # the token files' counts and digests, not the source: meta.json records --input as typed, so the same
     # file from another folder differs there; a dataset prepared before digests were recorded has counts only
@@ -818,10 +855,16 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     accum = accumulation_per_rank(cfg, ddp.world_size)
     checkpoint = starting_point(cfg, device)
     cfg, task_args = resumed_settings(cfg, model_args, checkpoint)
+    check_batch_fits(cfg, task_args, device)
     task = make_task(cfg, task_args, device, ddp.master)
     if checkpoint is not None:
         check_same_data(cfg, checkpoint, task)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
+    if all_ranks(torch.tensor(float(stop.received is not None), device=device), ddp).item():  # a long setup
+        if ddp.master:
+            print(f"{stop.received or 'a stop signal on another rank'}: stopped during setup, before the first "
+                  "iteration; nothing was changed", file=sys.stderr)
+        return EXIT_STOPPED
     raw_model = model
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
@@ -866,6 +909,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             print(f"{'evaluating' if cfg.eval_only else 'resuming'} at iter {iter_num} "
                   f"(saved by {checkpoint['world_size']} process(es))"
                   + (f"; changed: {', '.join(changed)}" if changed else ""))
+            if log.moved:
+                print(log.moved)
 
     def checkpoint_state(evaluated: bool = True) -> dict:
         """evaluated: saved after the evaluation at iter_num (a stop save may come before it)."""
@@ -965,9 +1010,11 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                 log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"], **speed,
                           **({"skipped": skipped} if cfg.skip_nonfinite else {}))
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
-            keep = eval_finite and not nonfinite_state(raw_model, optimizer)
-            state = checkpoint_state(evaluated=False) if keep else None
-            return stop_with_checkpoint(log, ddp, stop, iter_num, state, cfg)
+            # no save from a state that may be poisoned: a non-finite last evaluation or state, or skipped batches
+            unsaved = ("its state is not finite" if not eval_finite or nonfinite_state(raw_model, optimizer) else
+                       "non-finite batches were skipped since the last evaluation" if skipped > eval_skipped else None)
+            state = checkpoint_state(evaluated=False) if unsaved is None else None
+            return stop_with_checkpoint(log, ddp, stop, iter_num, state, cfg, unsaved)
 
     if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
         print_sample(raw_model, task.data.meta, cfg.sample_tokens, device, stop)
@@ -991,14 +1038,13 @@ def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state, latest: b
 
 
 def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
-                         cfg: TrainConfig) -> int:
-    """Save the last completed iteration (state; None when it is not finite) and log the stop. Every rank
-    calls this at the same iteration; rank 0 writes."""
+                         cfg: TrainConfig, unsaved: str | None = None) -> int:
+    """Save the last completed iteration (state; None, and `unsaved` saying why, when it must not be saved) and
+    log the stop. Every rank calls this at the same iteration; rank 0 writes."""
     if ddp.master:
         if state is not None:
             path = save_stop_checkpoint(cfg.out_dir, state, keep_best=not cfg.always_save_checkpoint)
-        saved = (f"saved iter {iteration} to {path}" if state is not None else
-                 "its state is not finite, so the last checkpoint is kept")
+        saved = f"saved iter {iteration} to {path}" if state else f"{unsaved}, so the last checkpoint is kept"
         print(f"{stop.received or 'a stop signal on another rank'}: stopped after iter {iteration}; {saved}. "
               "Continue with --init_from=resume", file=sys.stderr)
         log.write(kind="status", status="stopped", iter=iteration, signal=stop.received, saved=state is not None)

@@ -364,6 +364,8 @@ def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
         raise ConfigError(str(e)) from None
     if not 0 <= config.dropout < 1:
         raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
+    if not config.norm_eps > 0:  # (a negative one is refused by GPTConfig)
+        raise ConfigError(f"norm_eps={config.norm_eps} must be positive: it keeps a norm's division away from 0")
     check_vector_shape(cfg, model_args)
     block_size = model_args.get("block_size")
     if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:

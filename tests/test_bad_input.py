@@ -3,13 +3,16 @@ command lines) ends with exit code 2 and one line saying what was wrong and how 
 a setting with no effect prints one warning line."""
 
 import json
+import os
 import re
+import resource
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_run_args
+from conftest import ROOT, tiny_run_args
 
 import icl_task
 import optim
@@ -113,6 +116,38 @@ def test_a_model_too_big_for_memory_exits_2(monkeypatch, capsys, data_dir, tmp_p
     monkeypatch.setattr(train.GPT, "__init__", allocator_fails)
     code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run")))
     assert code == 2 and "does not fit in cpu's memory; make it smaller" in err and err.count("\n") == 1
+
+
+def test_norm_eps_0_is_refused():
+    with pytest.raises(train.ConfigError, match=r"norm_eps=0\.0 must be positive"):  # was a division by 0 at RMS 0
+        train.load_config(["--norm_eps=0"])
+
+
+def test_nccl_without_cuda_exits_2(monkeypatch, capsys):
+    """torchrun ... --device=cpu --backend=nccl: NCCL runs on CUDA devices only."""
+    def nccl_fails(**kwargs):  # what torch raises where NCCL is not built in
+        raise RuntimeError("Distributed package doesn't have NCCL built in")
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(train.dist, "init_process_group", nccl_fails)
+    code, err = exit_code_and_error(monkeypatch, capsys, ["--device=cpu", "--backend=nccl"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "backend='nccl' needs CUDA devices" in err and "--backend=gloo or --backend=auto" in err, err
+
+
+def test_a_batch_too_big_for_memory_exits_2(data_dir, tmp_path):
+    """--batch_size=100000000: refused before anything is allocated, not an allocator traceback (nor the kernel's
+    OOM kill); the address space is capped so that a regression fails here instead of filling the machine."""
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    for task in ({"task": "icl", "icl_pairs": 16}, {}):
+        args = tiny_run_args(data_dir, str(tmp_path / "run"), batch_size=100_000_000, **task)
+        result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, preexec_fn=cap_memory, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "batch_size=100000000 needs at least" in result.stderr and "lower --batch_size" in result.stderr
 
 
 def test_vocab_size_below_the_data_exits_2(monkeypatch, capsys, data_dir, tmp_path):

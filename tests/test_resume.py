@@ -683,3 +683,72 @@ def test_a_stalled_rank_stops_the_run_after_dist_timeout(data_dir, tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 1 and time.monotonic() - started < 120
     assert "error: rank 0 waited more than dist_timeout=3s for the other ranks" in result.stderr, result.stderr
+
+
+# ----------------------------------------------------------------------------- stops that must keep the last checkpoint
+
+
+def test_a_stop_after_skipped_batches_keeps_the_last_evaluated_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    """Resume a healthy run with lr 1e30 and skip_nonfinite: the weights reach ~1e30 (finite) and the next batches
+    are skipped as non-finite. A stop then must not replace iter 4's checkpoint with that state."""
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4)) == 0
+    before = (tmp_path / "run" / "ckpt.pt").read_bytes()
+    monkeypatch.setattr(train, "forward_backward", signal_during(7, signal.SIGTERM))
+    assert train.train(tiny_run_args(data_dir, out, max_iters=12, learning_rate=1e30, min_lr=0, grad_clip=0,
+                                     lr_decay_iters=100, skip_nonfinite=1000, init_from="resume")) == 4
+    monkeypatch.undo()
+    assert [r.get("skipped", 0) for r in read_metrics(out) if r["kind"] == "train"][-1] > 0
+    assert read_metrics(out)[-1] == {"kind": "status", "status": "stopped", "iter": 8, "signal": "SIGTERM",
+                                     "saved": False}
+    assert "non-finite batches were skipped since the last evaluation" in capsys.readouterr().err
+    assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
+
+
+def test_a_stop_during_setup_exits_before_training(data_dir, tmp_path, monkeypatch, capsys):
+    """SIGTERM while the task is built (the ICL task's eval sets can take minutes): exit 4 before the first
+    iteration, with nothing written."""
+    make_task = train.make_task
+
+    def signalled(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return make_task(*args)
+
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(train, "make_task", signalled)
+    assert train.train(tiny_run_args(data_dir, out)) == train.EXIT_STOPPED
+    assert not os.path.exists(out)  # nothing written: the folder it created goes
+    assert "SIGTERM: stopped during setup, before the first iteration" in capsys.readouterr().err
+
+
+def test_a_resume_that_rewinds_keeps_the_later_history_aside(data_dir, tmp_path, capsys):
+    """always_save_checkpoint=False: ckpt.pt is the best evaluation's. A run that got worse after it, resumed, goes
+    back there: the log lines past it move to metrics.jsonl.dropped (nothing written is lost) and one line says so."""
+    out = str(tmp_path / "run")
+    settings = dict(always_save_checkpoint=False, decay_lr=False, eval_interval=4)
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4, **settings)) == 0
+    assert train.train(tiny_run_args(data_dir, out, max_iters=12, learning_rate=5.0, init_from="resume",
+                                     **settings)) == 0
+    assert load(out)["iter_num"] == 4  # lr 5 made it worse
+    later = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["iter"] > 4]
+    capsys.readouterr()
+    assert train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume", **settings)) == 0
+    assert f"moved {len(later)} lines past iter 4 (iters 5-12) to" in capsys.readouterr().out
+    assert (tmp_path / "run" / "metrics.jsonl.dropped").read_text().splitlines() == later
+    assert [r["iter"] for r in read_metrics(out) if r["kind"] == "eval"] == [0, 4, 8]
+
+
+def test_a_dataset_prepared_again_with_other_characters_is_named_so(tmp_path):
+    """The checkpoint's own dataset, prepared again from other characters: not 'use --dataset=<the same name>'."""
+    from test_validation import char_dataset
+
+    char_dataset(tmp_path, "first", "abcdefgh")
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(str(tmp_path), out, dataset="first", max_iters=2, eval_interval=2)) == 0
+    char_dataset(tmp_path, "first", "ijklmnop", force=True)
+    with pytest.raises(train.ConfigError, match=r"first was prepared again since this checkpoint was saved "
+                                                r"\(chars differ\)") as error:
+        train.train(tiny_run_args(str(tmp_path), out, dataset="first", max_iters=4, eval_interval=2,
+                                  init_from="resume"))
+    assert "--dataset=first" not in str(error.value)

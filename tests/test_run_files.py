@@ -318,3 +318,15 @@ def test_a_run_that_can_only_skip_ends_diverged_and_keeps_its_checkpoint(data_di
 def test_strict_json_writes_null_for_non_finite_numbers():
     record = {"loss": float("nan"), "rms": [1.0, float("inf")], "grad": {"w": -float("inf")}, "iter": 3}
     assert run_files.strict_json(record) == {"loss": None, "rms": [1.0, None], "grad": {"w": None}, "iter": 3}
+
+
+def test_a_late_refusal_leaves_no_folder_it_created(monkeypatch, capsys, data_dir, tmp_path):
+    """A refusal after out_dir was claimed (the data's vocabulary is found too big for vocab_size) removes the
+    folder the run created, which holds only its .lock; a folder that was there before stays."""
+    for existed in (False, True):
+        out = tmp_path / f"run{existed}"
+        if existed:
+            out.mkdir()
+        code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(out), vocab_size=10))
+        assert code == 2 and "vocab_size=10 is smaller" in err, err
+        assert out.exists() == existed and (not existed or os.listdir(out) == [".lock"])
