@@ -33,13 +33,15 @@ tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
 output goes to out_dir/train.log, its exit code, wall time and resolved settings to out_dir/run.json, and
-the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's; the mean ± std
-over seeds leaves out runs that diverged or crashed. The same command continues a sweep: runs evaluated at
-max_iters (or diverged) are skipped unless --rerun, an unfinished run with a checkpoint resumes. A run
-folder whose run.json records other settings (another config or one edited since, other --set values:
-another sweep's run) is neither skipped nor resumed: the sweep stops and names it (another --out_root, or
---rerun to replace it). A grid value, seed or rate given twice is refused; run.json and the summaries are
-written whole or not at all.
+the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's up to max_iters (a
+run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
+crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless
+--rerun, an unfinished run with a checkpoint resumes. A run folder whose run.json records other settings
+(another config or one edited since, other --set values: another sweep's run), or whose checkpoint was
+trained on other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the
+sweep stops and names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
+twice is refused, and so is --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
+summaries are written whole or not at all.
 A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
 run folder in use by another process (a train.py started by hand) stops the sweep before anything starts.
 Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments,
@@ -67,6 +69,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict
 
+import torch
+
+import prepare_data
 import train
 from model import GPTConfig
 from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
@@ -187,7 +192,7 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         settings = {key: v for k, v in {**(fixed or {}), **point}.items() for key in k.split("+")}  # a+b: tied
         if lr_ratios:
             key, ratios = lr_ratios
-            settings.update({other: f"{float(settings[key]) * ratio:.6g}" for other, ratio in ratios.items()})
+            settings.update({other: exact_text(float(settings[key]) * ratio) for other, ratio in ratios.items()})
         argv += [f"--{k}={v}" for k, v in settings.items()] + [f"--out_dir={out_dir}"]
         try:
             cfg, model_args = train.load_config(argv)  # checks every key and value before anything runs
@@ -199,12 +204,20 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         settings = resolved_settings(cfg, model_args)
         if state != "new":
             check_same_run(out_dir, argv, settings)
+            check_same_data(out_dir, cfg)
         if state == "resume":
             argv.append("--init_from=resume")
         elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
             argv.append("--overwrite=True")
         jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings})
     return jobs
+
+
+def exact_text(x: float) -> str:
+    """x as a flag value: short (%g) where that reads back as x, else every digit it needs (repr), so that train.py
+    checks the number the sweep computed (min_lr <= learning_rate), not a rounding of it."""
+    text = f"{x:g}"
+    return text if float(text) == x else repr(x)
 
 
 def resolved_settings(cfg: TrainConfig, model_args: dict) -> dict:
@@ -231,10 +244,10 @@ def check_same_run(out_dir: str, argv: list[str], settings: dict | None = None) 
     older sweep.py's) is compared by the command's flags. A run stopped before its run.json was written (the
     sweep was stopped, or train.py was run by hand) is checked against the settings its checkpoint saved
     instead, and refused if it has none."""
-    info = read_json(os.path.join(out_dir, "run.json"))
+    info = read_run_info(out_dir)
     stored = info.get("argv")
     if settings is not None and "settings" in info:
-        mine, theirs = shared_settings(settings, info["settings"], out_dir)
+        mine, theirs = shared_settings(settings, info["settings"])
     elif stored is not None:
         mine, theirs = flag_values(argv), flag_values(stored)
     else:
@@ -251,11 +264,41 @@ def check_same_run(out_dir: str, argv: list[str], settings: dict | None = None) 
                          "or --rerun to run it again with these settings (its files are replaced)")
 
 
-def shared_settings(mine: dict, theirs: object, out_dir: str) -> tuple[dict, dict]:
+def check_same_data(out_dir: str, cfg: TrainConfig) -> None:
+    """Refuse to skip or resume a run trained on other token files than its dataset holds now (prepared again
+    since from other text), which would average its loss with runs on another corpus: the token counts and
+    digests its checkpoint saved against meta.json's now, as train.py compares them on resume."""
+    path = os.path.join(cfg.data_dir, cfg.dataset)
+    saved = saved_data_meta(out_dir) if cfg.task == "lm" else None
+    if not saved or not os.path.exists(os.path.join(path, "meta.json")):
+        return
+    try:
+        now = prepare_data.load_meta(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SweepError(str(e).replace("\n", " ")) from None
+    changed = [f"{k} {train.short(saved[k])} -> {train.short(now[k])}" for k in train.SPLIT_FINGERPRINT
+               if k in saved and k in now and saved[k] != now[k]]
+    if changed:
+        raise SweepError(f"{out_dir} was trained on other data than {path} holds now (prepared again since: "
+                         f"{', '.join(changed)}); --rerun runs it again on this data, or prepare the data as it was")
+
+
+def saved_data_meta(out_dir: str) -> dict | None:
+    """The meta.json of the data a run trained on, as its checkpoint saved it; None without one."""
+    path = next((p for p in (os.path.join(out_dir, n) for n in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME))
+                 if os.path.exists(p)), None)
+    if path is None:
+        return None
+    try:  # mmap: the small dicts are read, not the weights
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("data_meta")
+    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
+        raise SweepError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move the run away, or "
+                         "--rerun to run it again") from None
+    return saved if isinstance(saved, dict) else None
+
+
+def shared_settings(mine: dict, theirs: dict) -> tuple[dict, dict]:
     """Both settings over the keys both have: a key added to the code since a run was recorded says nothing."""
-    if not isinstance(theirs, dict):
-        raise SweepError(f"{out_dir}/run.json records settings that are not a JSON object (edited by hand?); "
-                         "move the run away, or --rerun to run it again")
     shared = [k for k in mine if k in theirs]
     return {k: mine[k] for k in shared}, {k: theirs[k] for k in shared}
 
@@ -347,7 +390,7 @@ def launch(job: dict, threads: int) -> dict:
     info_path = os.path.join(job["out_dir"], "run.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     print(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""), flush=True)
-    before = read_json(info_path).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
+    before = read_run_info(job["out_dir"]).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
     start = time.perf_counter()
     with open(os.path.join(job["out_dir"], "train.log"), "a" if job["state"] == "resume" else "w") as log:
         process = CHILDREN.start([sys.executable, TRAIN, *job["argv"]], stdout=log, stderr=subprocess.STDOUT,
@@ -375,19 +418,41 @@ def read_json(path: str) -> dict:
     return data
 
 
+RUN_INFO_TYPES = {"point": (dict,), "argv": (list,), "exit_code": (int, type(None)), "wall_s": (int, float),
+                  "threads": (int,), "settings": (dict,)}  # what launch writes to run.json
+
+
+def read_run_info(out_dir: str) -> dict:
+    """out_dir/run.json ({} if there is none), its values checked against what launch writes (RUN_INFO_TYPES):
+    one edited into another type is a SweepError naming the file and the key."""
+    path = os.path.join(out_dir, "run.json")
+    info = read_json(path)
+    for key, types in RUN_INFO_TYPES.items():
+        value = info.get(key, types[0]())
+        if isinstance(value, bool) or not isinstance(value, types) or key == "argv" and not all(
+                isinstance(a, str) for a in value):
+            raise SweepError(f"{path}: {key} is {value!r}, not what sweep.py writes there (edited by hand?); move "
+                             "the run away, or --rerun to run it again")
+    return info
+
+
 def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[dict] | None = None,
               max_iters: list[int] | None = None) -> list[dict]:
     """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
-    final losses, divergence, exit code, whether it reached its `max_iters` (one per run; the rule run_state
-    skips it by), time, and the `extra` metrics of its last evaluation that logged them (e.g. val_xy_loss,
-    grad_kurtosis)."""
+    final losses (of its last evaluation up to its `max_iters`, one per run: a run trained on past them by hand
+    counts at them) and that evaluation's iteration, divergence, exit code, whether it reached its `max_iters`
+    (the rule run_state skips it by), time, and the `extra` metrics of its last evaluation that logged them
+    (e.g. val_xy_loss, grad_kurtosis)."""
     rows = []
     for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
-        info = read_json(os.path.join(out_dir, "run.json"))
+        if max_iters:  # a run trained on by hand past max_iters counts at max_iters, as the sweep's other runs
+            records = [r for r in records if r.get("iter", 0) <= max_iters[i]]
+        info = read_run_info(out_dir)
         evals = [r for r in records if r.get("kind") == "eval"]
         ms = [r["ms_per_iter"] for r in records if r.get("kind") == "train" and "ms_per_iter" in r]
         rows.append({"out_dir": out_dir, **(points[i] if points else info.get("point", {})),
+                     "final_iter": evals[-1]["iter"] if evals else None,
                      "train_loss": evals[-1].get("train_loss") if evals else None,
                      "val_loss": evals[-1].get("val_loss") if evals else None,
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
@@ -971,7 +1036,8 @@ def summary_mismatch(root: str, summary: dict) -> str | None:
         if not isinstance(r.get("out_dir"), str):
             continue
         out_dir = os.path.join(root, os.path.basename(os.path.normpath(r["out_dir"])))
-        evals = [m for m in load_metrics(out_dir) if m.get("kind") == "eval"]
+        last = r.get("final_iter") if isinstance(r.get("final_iter"), int) else math.inf  # older summaries: none
+        evals = [m for m in load_metrics(out_dir) if m.get("kind") == "eval" and m["iter"] <= last]
         if evals and evals[-1].get("val_loss") != r["val_loss"]:
             return f"{out_dir}: final val loss {r['val_loss']}, its metrics.jsonl {evals[-1].get('val_loss')}"
     return None
@@ -1127,6 +1193,10 @@ def run_command(args: argparse.Namespace) -> int:
         if args.lr_grid:
             if set(lr_keys) & {k for key in grid for k in key.split("+")}:
                 raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
+            if "learning_rate" in lr_keys and "min_lr" in {k for key in grid for k in key.split("+")}:
+                raise SweepError("--grid min_lr: with --lr_grid, min_lr keeps its config ratio to learning_rate "
+                                 "at every rate, whatever --grid says; leave it out of --grid, or give one value "
+                                 "for every run by --set min_lr=...")
             if not all(is_positive_number(v) for v in args.lr_grid.split(",")):
                 raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
             lr_values = distinct_values(args.lr_grid, "--lr_grid")

@@ -417,3 +417,78 @@ def test_lr_figure_title_leaves_out_swept_keys_and_states_the_tasks_context(tmp_
     title = plot.draw_lr_sensitivity([str(tmp_path)])._suptitle.get_text()
     assert "L1" not in title and "d16 T32" in title
     assert sweep.run_setup([ICL], 3)["block_size"] == 32  # the task's 2 * icl_pairs, not GPTConfig's 1024
+
+
+def test_a_run_continued_past_max_iters_counts_at_the_sweeps_max_iters(tmp_path):
+    """A run trained on by hand with a larger --max_iters enters the tables at its evaluation at the sweep's."""
+    plain, lr = str(tmp_path / "plain"), str(tmp_path / "lr")
+    fixed = {"max_iters": "4"}
+    [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, plain)
+    finished_run(job["out_dir"], job["argv"], settings=recorded_settings(job["argv"]))
+    [lr_job] = sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [1], fixed, lr,
+                               lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"]))
+    finished_run(lr_job["out_dir"], lr_job["argv"], settings=recorded_settings(lr_job["argv"]))
+    for run in (job["out_dir"], lr_job["out_dir"]):
+        with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"kind": "eval", "iter": 8, "train_loss": 1.0, "val_loss": 1.1}) + "\n")
+            f.write(json.dumps({"kind": "status", "status": "diverged", "iter": 9}) + "\n")
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", plain]) == 0
+    summary = json.loads(pathlib.Path(plain, "summary.json").read_text())
+    [row], [point] = summary["runs"], summary["grid_points"]
+    assert (row["val_loss"], row["train_loss"], row["diverged_at"], point["val_loss_mean"]) == (2.1, 2.0, None, 2.1)
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--out_root", lr]) == 0
+    [point] = json.loads(pathlib.Path(lr, "summary.json").read_text())["lr_points"]
+    assert point["val_loss_mean"] == 2.1 and point["diverged_lrs"] is None
+    assert sweep.leaderboard([lr])[0]["val_loss_mean_std"] == point["val_loss_mean_std"]  # agrees with its runs
+
+
+def test_a_run_on_data_prepared_again_since_is_refused(tmp_path, data_dir, capsys):
+    """A finished or resumable run whose checkpoint names other token files than the dataset holds now (prepared
+    again from other text) is neither skipped nor resumed: its loss would be averaged with another corpus's."""
+    fixed = {"max_iters": "4", "data_dir": data_dir}
+    [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))
+    finished_run(job["out_dir"], job["argv"], settings=recorded_settings(job["argv"]))
+    meta = json.loads(pathlib.Path(data_dir, "shakespeare_char", "meta.json").read_text())
+    torch.save({"data_meta": meta}, os.path.join(job["out_dir"], "ckpt.pt"))
+    assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))[0]["state"] == "finished"
+    torch.save({"data_meta": {**meta, "train_sha256": "0" * 64}}, os.path.join(job["out_dir"], "ckpt.pt"))
+    argv = [CONFIG, "--set", "max_iters=4", f"data_dir={data_dir}", "--seeds", "1", "--out_root", str(tmp_path)]
+    assert sweep.main(argv) == 2
+    one_line_error(capsys, f"{job['out_dir']} was trained on other data than")
+    assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path), rerun=True)[0]["state"] == "new"
+
+
+def test_a_grid_of_min_lr_with_an_lr_grid_is_refused(tmp_path, capsys):
+    """With --lr_grid, min_lr keeps its config ratio to the swept rate: a grid over it would be overridden."""
+    argv = [CONFIG, "--grid", "min_lr=0,1e-5", "--lr_grid", "1e-3,1e-2", "--out_root", str(tmp_path), "--dry_run"]
+    assert sweep.main(argv) == 2
+    one_line_error(capsys, "--grid min_lr")
+    assert sweep.main([*argv[:3], "--set", "min_lr=0", *argv[3:]]) == 2  # --set is fine, not both
+    assert sweep.main([*argv[:3], *argv[5:]]) == 0  # a grid over min_lr alone is fine
+
+
+@pytest.mark.parametrize("key, value", [("wall_s", "1 s"), ("argv", 5), ("exit_code", "0"), ("settings", [1]),
+                                        ("point", "seed=1"), ("argv", ["--seed=1", 2])])
+def test_a_run_json_edited_into_other_types_exits_2_naming_the_file_and_key(tmp_path, capsys, key, value):
+    [job] = sweep.plan_runs(CONFIG, {}, [1], {"max_iters": "4"}, str(tmp_path))
+    finished_run(job["out_dir"], job["argv"], settings=recorded_settings(job["argv"]))
+    path = pathlib.Path(job["out_dir"], "run.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", str(tmp_path)]) == 2
+    one_line_error(capsys, f"{path}: {key} ")
+
+
+def test_a_rate_that_follows_the_swept_one_is_passed_exactly(tmp_path, capsys):
+    """min_lr == learning_rate in the config: at every swept rate min_lr is that rate, not a rounding above it."""
+    config = tmp_path / "flat.py"
+    config.write_text(pathlib.Path(CONFIG).read_text() + "\nmin_lr = learning_rate\n")
+    argv = [str(config), "--lr_grid", "1e-3,1.2345678e-3,3e-3", "--out_root", str(tmp_path / "sweep"), "--dry_run"]
+    assert sweep.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "--min_lr=0.0012345678 " in out and "--min_lr=0.001 " in out, out
+
+
+@pytest.mark.parametrize("rates", ["0,1e-3", "-1e-3,1e-3", "1e-3,inf", "1e-3,nan", "1e-3,,1e-2", "1e-3,3e-3,0.003"])
+def test_an_lr_grid_of_a_rate_that_is_not_positive_or_given_twice_is_refused(tmp_path, capsys, rates):
+    assert sweep.main([CONFIG, f"--lr_grid={rates}", "--out_root", str(tmp_path), "--dry_run"]) == 2
+    one_line_error(capsys, "--lr_grid")
