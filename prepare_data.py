@@ -9,7 +9,8 @@ Documents end with GPT-2's end-of-text token (50256); with the char tokenizer th
 blank line instead. A dataset is complete only when meta.json exists and its token counts
 match the .bin sizes: load_meta() checks this, and a run that dies midway leaves nothing that
 passes the check (work happens in a sibling folder <name>.partial-* that is renamed at the end;
-the next run removes those whose process is gone).
+the next run removes those whose process is gone, and only those: each is marked as this program's
+by a file .prepare_data-work, written first and removed just before the rename).
 
 Usage:
     python prepare_data.py shakespeare                    # 38 plays, GPT-2 BPE -> data/shakespeare
@@ -329,17 +330,29 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     if importlib.util.find_spec("pyarrow") is not None:
         import pyarrow.parquet as pq
 
-        names = pq.read_schema(path).names
-        if text_field not in names:
+        try:  # pyarrow's ArrowInvalid is a ValueError, its read errors OSErrors
+            names = pq.read_schema(path).names
+            column = pq.read_table(path, columns=[text_field]) if text_field in names else None
+        except (ValueError, OSError) as e:
+            raise _not_parquet(path, e) from None
+        if column is None:
             raise ValueError(f"{path}: no column {text_field!r} (columns: {names}); "
                              "name the column with --text_field")
-        return _checked_texts(path, pq.read_table(path, columns=[text_field]).column(text_field).to_pylist(),
-                              text_field)
+        return _checked_texts(path, column.column(text_field).to_pylist(), text_field)
     if importlib.util.find_spec("pandas") is not None:
         import pandas as pd
 
-        return _checked_texts(path, pd.read_parquet(path, columns=[text_field])[text_field].tolist(), text_field)
+        try:
+            column = pd.read_parquet(path, columns=[text_field])[text_field]
+        except (ValueError, OSError) as e:
+            raise _not_parquet(path, e) from None
+        return _checked_texts(path, column.tolist(), text_field)
     raise ImportError(f"reading {path} needs pyarrow (or pandas): pip install pyarrow")
+
+
+def _not_parquet(path: Path, error: Exception) -> ValueError:
+    return ValueError(f"{path} cannot be read as parquet, it looks truncated or corrupt ({error}); "
+                      "copy or download it again, or move it out of the input")
 
 
 def _checked_texts(path: Path, values: list, text_field: str) -> list[str]:
@@ -378,7 +391,11 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
         raise ValueError(f"--text_field names a field of .jsonl/.parquet rows, but {path} holds only .txt "
                          "files, each read whole as one document: leave --text_field out")
     docs = chain.from_iterable(READERS[f.suffix.lower()](f, text_field) for f in files)
-    return [doc for doc in docs if doc.strip()]
+    docs = [doc for doc in docs if doc.strip()]
+    if not docs:
+        found = f"{files[0]} is" if len(files) == 1 else f"the {len(files)} files in {path} are all"
+        raise ValueError(f"{found} empty (or only whitespace): no documents to prepare")
+    return docs
 
 
 def split_documents(docs: list[str], val_fraction: float, seed: int = 0) -> dict[str, list[str]]:
@@ -564,9 +581,10 @@ def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> tupl
 
 
 def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]], source: str,
-                        force: bool = False, max_tokens: int | None = None) -> dict:
+                        force: bool = False, max_tokens: int | None = None,
+                        keep: str | os.PathLike | None = None) -> dict:
     """out_dir/{train,val}.bin and meta.json from GPT-2 token shards (see shard_splits), written
-    like write_dataset's: atomically, each split capped at max_tokens. Returns the meta dict."""
+    like write_dataset's: atomically, each split capped at max_tokens, `keep` kept. Returns the meta dict."""
     for path in chain(*shards.values()):  # every header and size, before anything is copied
         shard_token_count(path)
 
@@ -574,7 +592,7 @@ def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]
         return {split: _copy_shards(work / f"{split}.bin", shards[split], max_tokens) for split in ("train", "val")}
 
     meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": source, "eot_token": GPT2_EOT}
-    return _build_atomically(Path(out_dir), force, write_bins, meta)
+    return _build_atomically(Path(out_dir), force, write_bins, meta, keep)
 
 
 # -----------------------------------------------------------------------------
@@ -728,6 +746,10 @@ def check_target(out: Path, force: bool) -> None:
     """Refuse to build at `out` if something is there, unless force and it is a prepared dataset:
     a folder holding only DATASET_FILES (--force never deletes a corpus or anything else)."""
     if not out.exists() and not out.is_symlink():
+        folder = next(p for p in out.parents if p.exists())
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, not a folder, so {out} cannot be made there; "
+                                     "choose another --data_dir")
         return
     if not force:
         raise FileExistsError(_exists_message(out))
@@ -763,31 +785,46 @@ def _swap_in(new: Path, out: Path, force: bool) -> None:
     shutil.rmtree(old)
 
 
-def _remove_stale_work(out: Path) -> None:
-    """Remove the <out>.partial-* folders of runs that were killed. A run holds an OS lock on
+WORK_MARKER = ".prepare_data-work"  # the first file of every work folder, with this text:
+WORK_MARKER_TEXT = "a work folder of prepare_data.py: removed when its preparation ends\n"
+
+
+def _is_work_folder(path: Path) -> bool:
+    """Whether path is a work folder that this program made (and marked as its own)."""
+    marker = path / WORK_MARKER
+    return (path.is_dir() and not path.is_symlink() and marker.is_file() and not marker.is_symlink()
+            and marker.stat().st_size == len(WORK_MARKER_TEXT) and marker.read_bytes() == WORK_MARKER_TEXT.encode())
+
+
+def _remove_stale_work(out: Path, keep: str | os.PathLike | None = None) -> None:
+    """Remove the <out>.partial-* work folders of runs that were killed; only folders that carry the
+    marker, and none that holds or lies inside `keep` (the corpus being read). A run holds an OS lock on
     <folder>.lock while it works, which the kernel releases when its process ends, however it ends."""
     if fcntl is None or not out.parent.is_dir():
         return
     prefix = f"{out.name}.partial-"
-    for name in sorted({p.name.removesuffix(".lock") for p in out.parent.iterdir() if p.name.startswith(prefix)}):
-        work, lock_path = out.parent / name, out.parent / f"{name}.lock"
+    kept = Path(keep).resolve() if keep is not None else None
+    for work in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix) and _is_work_folder(p)):
+        if kept is not None and (kept.is_relative_to(work.resolve()) or work.resolve().is_relative_to(kept)):
+            continue
+        lock_path = work.with_name(f"{work.name}.lock")
         with open(lock_path, "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its run is still working
-            if work.exists():
+            if _is_work_folder(work):
                 shutil.rmtree(work, ignore_errors=True)
                 print(f"removed {work}, left by a preparation that was stopped before it finished")
             lock_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def _work_folder(out: Path) -> Iterator[Path]:
-    """A fresh sibling folder <out>.partial-*, locked while this process works in it and removed
-    on exit (unless renamed to out). Its lock file is locked under a hidden name and then renamed,
-    so no other run ever sees it unlocked."""
-    _remove_stale_work(out)
+def _work_folder(out: Path, keep: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A fresh sibling folder <out>.partial-*, marked as this program's and locked while this process
+    works in it, removed on exit (unless renamed to out). Its lock file is locked under a hidden name
+    and then renamed, so no other run ever sees it unlocked."""
+    _remove_stale_work(out, keep)
     work = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
     claim, lock_path = work.with_name(f".{work.name}.lock"), work.with_name(f"{work.name}.lock")
     with open(claim, "w") as lock:
@@ -796,6 +833,7 @@ def _work_folder(out: Path) -> Iterator[Path]:
         os.replace(claim, lock_path)
         try:
             work.mkdir()
+            (work / WORK_MARKER).write_text(WORK_MARKER_TEXT)
             yield work
         finally:
             shutil.rmtree(work, ignore_errors=True)  # gone already unless something failed
@@ -803,15 +841,15 @@ def _work_folder(out: Path) -> Iterator[Path]:
 
 
 def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, tuple[int, str]]],
-                      meta: dict) -> dict:
+                      meta: dict, keep: str | os.PathLike | None = None) -> dict:
     """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus the
     dtype, token counts and each file's SHA-256), then rename the folder to out. Returns the full meta.
 
     The digests name the data a checkpoint was trained on: a resume compares them (train.check_same_data)
-    without reading the files again."""
+    without reading the files again. `keep` (the corpus being read) is never removed as a leftover."""
     check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _work_folder(out) as work:
+    with _work_folder(out, keep) as work:
         written = write_bins(work)
         for split, (count, _) in written.items():
             if count == 0:
@@ -822,19 +860,21 @@ def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[
                 "val_tokens": written["val"][0], "train_sha256": written["train"][1],
                 "val_sha256": written["val"][1], **meta}
         _write_json(work / "meta.json", meta)
+        (work / WORK_MARKER).unlink()  # a finished dataset is not a work folder, whatever its name
         _swap_in(work, out, force)
     return meta
 
 
 def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
                   tokenizer: Tokenizer, source: str, force: bool = False,
-                  max_tokens: int | None = None, num_proc: int = 1) -> dict:
+                  max_tokens: int | None = None, num_proc: int = 1, keep: str | os.PathLike | None = None) -> dict:
     """Tokenize the "train" and "val" documents into out_dir/{train,val}.bin and meta.json, with
     num_proc processes (the files are the same for any number).
 
     Everything is written into a fresh sibling folder <out_dir>.partial-*, meta.json last, and
     that folder is renamed to out_dir only when complete. max_tokens caps each split. Train is
-    written before val (held_out_stream relies on it). Returns the meta dict."""
+    written before val (held_out_stream relies on it). A leftover work folder that holds or lies in
+    `keep` (the corpus being read) is kept. Returns the meta dict."""
     if set(splits) != {"train", "val"}:
         raise ValueError(f"splits must be 'train' and 'val', got {sorted(splits)}")
     meta = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "source": source,
@@ -849,7 +889,7 @@ def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
             return {split: _write_split(work / f"{split}.bin", splits[split], encoder, max_tokens)
                     for split in ("train", "val")}
 
-        return _build_atomically(Path(out_dir), force, write_bins, meta)
+        return _build_atomically(Path(out_dir), force, write_bins, meta, keep)
 
 
 def load_meta(dataset_dir: str | os.PathLike) -> dict:
@@ -971,7 +1011,7 @@ def prepare(source: str, tokenizer: str = "gpt2", data_dir: str = "data", force:
     check_target(out, force)  # before any download or tokenizing
     if kind in ("hub shards", "shard folder"):
         shards, description = _source_shards(source, kind, options)
-        write_shard_dataset(out, shards, description, force, options.get("max_tokens"))
+        write_shard_dataset(out, shards, description, force, options.get("max_tokens"), keep=options.get("input"))
         return str(out)
     splits, description = _source_splits(source, options)
     if tokenizer == "char":  # the vocabulary covers both splits, so val has no unknown symbols
@@ -980,7 +1020,8 @@ def prepare(source: str, tokenizer: str = "gpt2", data_dir: str = "data", force:
         tok = get_tokenizer("char", sorted(chars))
     else:
         tok = get_tokenizer(tokenizer)
-    write_dataset(out, splits, tok, description, force, options.get("max_tokens"), options.get("num_proc", 1))
+    write_dataset(out, splits, tok, description, force, options.get("max_tokens"), options.get("num_proc", 1),
+                  keep=options.get("input"))
     return str(out)
 
 
@@ -1014,8 +1055,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.time()
     try:
         out = prepare(args.source, args.tokenizer, args.data_dir, args.force, **options)
-    except (FileExistsError, FileNotFoundError, PermissionError, ConnectionError, ImportError, ValueError,
-            RuntimeError) as e:  # ConnectionError: the hub cannot be reached
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ImportError,
+            ValueError, RuntimeError) as e:  # ConnectionError: the hub cannot be reached
         parser.exit(2, f"error: {e}\n")
     meta = load_meta(out)
     seconds = time.time() - start

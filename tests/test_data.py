@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -803,6 +804,34 @@ def test_non_string_text_field_is_refused(tmp_path, capsys, suffix, value):
     assert str(path) in error and f"holds {type(value).__name__}" in error and "not text" in error
 
 
+def test_data_dir_below_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "notes").write_text("a file, not a folder")
+    error = cli_error(capsys, "shakespeare", "--tokenizer", "char", "--data_dir", str(tmp_path / "notes" / "data"))
+    assert error.count("\n") == 1 and f"{tmp_path / 'notes'} is a file" in error and "--data_dir" in error
+    assert (tmp_path / "notes").read_text() == "a file, not a folder"
+
+
+def test_truncated_parquet_is_named(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "corpus").mkdir()
+    for name in ("good", "bad"):
+        pq.write_table(pa.table({"text": DOCS}), tmp_path / "corpus" / f"{name}.parquet")
+    bad = tmp_path / "corpus" / "bad.parquet"
+    bad.write_bytes(bad.read_bytes()[:-100])
+    error = cli_error(capsys, "mine", "--input", str(tmp_path / "corpus"), "--data_dir", str(tmp_path / "data"))
+    assert str(bad) in error and "truncated or corrupt" in error
+
+
+def test_folder_of_empty_files_says_so(tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        (tmp_path / "corpus" / f"{i}.txt").write_text("\n" if i else "")
+    error = cli_error(capsys, "mine", "--input", str(tmp_path / "corpus"), "--data_dir", str(tmp_path / "data"))
+    assert f"the 3 files in {tmp_path / 'corpus'} are all empty" in error
+
+
 def test_non_string_hub_document_is_refused(tmp_path, monkeypatch):
     texts = ["fine", None]
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(
@@ -861,3 +890,30 @@ def test_running_work_folder_is_kept(tmp_path, char_tokenizer):
         write_dataset(out, {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "new")
         assert running.exists() and load_meta(out)["source"] == "new"
     assert leftovers(tmp_path) == []
+
+
+def test_only_marked_work_folders_are_removed(tmp_path, capsys, char_tokenizer):
+    """A dataset named like a work folder, and a corpus passed with --input, are never removed."""
+    write_dataset(tmp_path / "run.partial-v2", {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "kept")
+    corpus = tmp_path / "books.partial-raw"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Some text.\n" * 50)
+    write_dataset(tmp_path / "run", {"train": ["abc"], "val": ["cab"]}, char_tokenizer, "new")
+    prepare_data.main(["books", "--tokenizer", "char", "--input", str(corpus), "--data_dir", str(tmp_path)])
+    assert "removed" not in capsys.readouterr().out
+    assert load_meta(tmp_path / "run.partial-v2")["source"] == "kept" and load_meta(tmp_path / "run")["source"] == "new"
+    assert (corpus / "a.txt").read_text() == "Some text.\n" * 50
+    assert load_meta(tmp_path / "books_char")["source"] == str(corpus)
+
+
+def test_marked_work_folder_given_as_input_is_kept(tmp_path, char_tokenizer):
+    """A killed run's folder (marked as a work folder) that is read as the corpus stays."""
+    out = tmp_path / "d_char"
+    with prepare_data._work_folder(out) as work:
+        leftover = work.with_name(f"{out.name}.partial-0123abcd")
+        shutil.copytree(work, leftover)
+    (leftover / "a.txt").write_text("Some text.\n" * 50)
+    prepare("d", tokenizer="char", input=str(leftover), data_dir=str(tmp_path))
+    assert (leftover / "a.txt").exists() and load_meta(tmp_path / "d_char")["source"] == str(leftover)
+    prepare("d", tokenizer="char", input=str(leftover / "a.txt"), data_dir=str(tmp_path), force=True)
+    assert (leftover / "a.txt").exists()
