@@ -265,7 +265,7 @@ def gpu_report(plan: Plan, report_path: str, workers: int | None, budget: float)
         free = torch.cuda.mem_get_info()[0] / 2**30 if plan.device == "cuda" else 12 + WORKER_GIB
         workers = int(max(1, min(6, (os.cpu_count() or 2) // 3, (free - 12) // WORKER_GIB)))  # cores for the rest
     logs = os.path.splitext(report_path)[0] + "_logs"
-    os.makedirs(logs, exist_ok=True)
+    os.makedirs(logs)
     lines = ["# nanoNorm GPU report" + " (smoke run: plumbing only, no measurement)" * (plan == SMOKE), "",
              *environment(plan), ""]
     t0 = time.monotonic()
@@ -305,7 +305,8 @@ def gpu_report(plan: Plan, report_path: str, workers: int | None, budget: float)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry_run", action="store_true", help="print what would run and how long each part should take")
-    p.add_argument("--report", default="gpu_report.md", help="the Markdown report to write (its logs go beside it)")
+    p.add_argument("--report", help="the Markdown report to write, a new file (its logs go in a folder beside it); "
+                                    "default out/gpu_report/<UTC date and time>.md")
     p.add_argument("--workers", type=int, help="parallel compile workers (default: by cores and GPU memory, at most 6)")
     p.add_argument("--budget", type=float, default=900,
                    help="seconds for everything: the bench and the profile get what the parts before them left")
@@ -321,8 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers {args.workers} must be at least 1")
     if not args.budget > 0:
         p.error(f"--budget {args.budget} must be a positive number of seconds")
-    if os.path.exists(args.report) and not os.path.isfile(args.report):
-        p.error(f"--report {args.report} is a folder; give a file name such as gpu_report.md")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    args.report = args.report or os.path.join("out", "gpu_report", f"{now:%Y%m%d-%H%M%S}.md")
+    logs = os.path.splitext(args.report)[0] + "_logs"
+    for path in (args.report, logs):  # never over an earlier report, its logs, or a file of the user's
+        if os.path.lexists(path):
+            p.error(f"{path} exists; give another --report (a new file name such as gpu_report.md)")
     if args.dry_run:
         dry_run(plan)
         return 0

@@ -99,9 +99,14 @@ def test_two_compiled_ranks_match_one_process(data_dir, tmp_path):
     assert two == pytest.approx(one, rel=1e-5)
 
 
-def test_gpu_report_without_cuda_exits_2(monkeypatch, capsys):
+def test_gpu_report_without_cuda_exits_2(monkeypatch, capsys, tmp_path):
     import gpu_report
 
+    (tmp_path / "mine.md").write_text("a user's notes")
+    with pytest.raises(SystemExit) as e:  # never written over, nor its logs' folder
+        gpu_report.main(["--report", str(tmp_path / "mine.md")])
+    assert e.value.code == 2 and "exists; give another --report" in capsys.readouterr().err
+    assert (tmp_path / "mine.md").read_text() == "a user's notes"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_report.main(["--report", os.devnull + "-none.md"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
