@@ -484,6 +484,17 @@ def verdict(loss: float, best_xy: float, best_published: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = parser_args(parser)
+    try:
+        report(args)
+    except (MemoryError, RuntimeError) as e:  # the allocator refuses a batch larger than memory
+        if "alloc" not in str(e):
+            raise
+        parser.error(f"--batch_size {args.batch_size} of {args.n_pairs} pairs needs more memory than this machine "
+                     f"has ({str(e).splitlines()[0][:120]}); lower --batch_size")
+
+
+def parser_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     parser.add_argument("--n_pairs", type=int, default=64)
     parser.add_argument("--batch_size", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
@@ -497,6 +508,11 @@ def main() -> None:
     if args.n_pairs < args.dim:
         parser.error(f"--n_pairs {args.n_pairs} is below --dim {args.dim}: with fewer pairs than dimensions "
                      "no draw of X is well conditioned; give --n_pairs of at least --dim")
+    return args
+
+
+def report(args: argparse.Namespace) -> None:
+    """The three printouts: one sequence, the baselines, the copying leak (against Bir et al.'s Table 2)."""
     g = torch.Generator().manual_seed(args.seed)
     D, T = args.dim, args.n_pairs
 

@@ -150,6 +150,17 @@ def test_a_batch_too_big_for_memory_exits_2(data_dir, tmp_path):
         assert "batch_size=100000000 needs at least" in result.stderr and "lower --batch_size" in result.stderr
 
 
+def test_the_icl_demo_with_a_batch_too_big_for_memory_exits_2():
+    """icl_task.py --batch_size=100000000 (128 GB of X): the allocator's refusal becomes one line and exit 2, with
+    the address space capped as above."""
+    result = subprocess.run([sys.executable, "icl_task.py", "--batch_size", "100000000"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)))
+    last = result.stderr.rstrip("\n").splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--batch_size 100000000 of 64 pairs needs more memory than this machine has" in last, result.stderr
+
+
 def test_vocab_size_below_the_data_exits_2(monkeypatch, capsys, data_dir, tmp_path):
     code, err = exit_code_and_error(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), vocab_size=10))
     assert code == 2 and "vocab_size=10 is smaller than the dataset's vocabulary of" in err, err
