@@ -14,7 +14,7 @@ than it was not measured.
     python bench.py --threads 1 --clock cpu          # on a machine shared with other jobs
     python bench.py --nanogpt path/to/nanoGPT/model.py   # side by side with karpathy/nanoGPT
     python bench.py --schemes geonorm,dnt --optimizers none --profile 5   # which ops cost the time
-    python bench.py --gpu_report                     # everything a GPU should show, one report (gpu_report.py)
+    python gpu_report.py                             # everything a GPU should show, one report (built on this file)
 
 MFU counts model FLOPs (6 N per token plus 12 L d T for attention) against the device's peak:
 the datasheet dense bf16 peak on a known GPU; on a CPU, a matmul peak measured by this run.
@@ -444,10 +444,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if "--gpu_report" in sys.argv[1:]:  # one command that checks a GPU: gpu_report.py
-        import gpu_report
-
-        sys.exit(gpu_report.main([a for a in sys.argv[1:] if a != "--gpu_report"]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="cpu")
     p.add_argument("--schemes", default="all",

@@ -1,8 +1,8 @@
 """
 One command that checks a GPU and writes what it measured as one Markdown report:
 
-    python bench.py --gpu_report                  # about 11 minutes on one H200 (mostly compiling)
-    python bench.py --gpu_report --dry_run        # what it would run, and how long each part should take
+    python gpu_report.py                  # about 11 minutes on one H200 (mostly compiling)
+    python gpu_report.py --dry_run        # what it would run, and how long each part should take
 
 It runs, in order:
   1. the CUDA-marked tests (pytest -m cuda);
@@ -238,12 +238,12 @@ def environment(plan: Plan) -> list[str]:
     return [f"- device: {device}, driver {driver}",
             f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"- command: python bench.py --gpu_report (bench: python bench.py {' '.join(plan.bench_args)}; resume "
+            f"- command: python gpu_report.py (bench: python bench.py {' '.join(plan.bench_args)}; resume "
             f"check: torchrun --nproc_per_node=1 train.py {' '.join(plan.resume_args)})"]
 
 
 def dry_run(plan: Plan) -> None:
-    print("python bench.py --gpu_report would run, on one CUDA GPU (expected time on one H200; time limit):")
+    print("python gpu_report.py would run, on one CUDA GPU (expected time on one H200; time limit):")
     for part, expected, limit in PARTS:
         print(f"- {part}: ~{expected} s; limit {limit} s")
     print(f"  compile workers: {len(cases(plan))} cases ({', '.join('/'.join(c) for c in cases(plan))})")
@@ -258,7 +258,7 @@ def gpu_report(plan: Plan, report_path: str, workers: int | None, budget: float)
     import torch
 
     if plan.device == "cuda" and not torch.cuda.is_available():
-        print("bench.py --gpu_report needs a CUDA GPU and this machine has none (torch.cuda.is_available() is "
+        print("gpu_report.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is "
               "False); see what it would run with --dry_run", file=sys.stderr)
         return 2
     if workers is None:  # a compiling worker holds a 124M model, its AdamW state and one step's activations

@@ -1,7 +1,7 @@
 """The GPU paths: what can be checked on a CPU (the DDP and compile order, the peak table, bench's compiled
 labels) runs in the default suite; what needs a GPU is marked `cuda` and skips without one.
 
-    python -m pytest -m cuda            # on a machine with a CUDA GPU (python bench.py --gpu_report runs it)
+    python -m pytest -m cuda            # on a machine with a CUDA GPU (python gpu_report.py runs it)
 """
 
 import json
