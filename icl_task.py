@@ -45,11 +45,12 @@ import torch
 from torch import Tensor
 
 ORDERS = ("random", "xy", "yx")
+DIM = 5  # Bir et al.: x in R^5
 # Bir et al. Table 2: final training loss, Lipschitz blocks, no normalization, batch 256
 SEED004_LOSSES = {"AdamW": 0.16656, "Muon": 0.75127, "Manifold Muon": 1.96396}
 
 
-def token_dim(dim: int = 5, bias_feature: bool = True) -> int:
+def token_dim(dim: int = DIM, bias_feature: bool = True) -> int:
     """Number of features per token: two flags, x, y, and the optional constant 1."""
     return 2 + 2 * dim + int(bias_feature)
 
@@ -149,7 +150,7 @@ def sample_well_conditioned(batch_size: int, n_pairs: int, dim: int,
         f"Gaussian T x D matrix has cond near (sqrt(T)+sqrt(D))/(sqrt(T)-sqrt(D)).")
 
 
-def get_batch(batch_size: int, n_pairs: int, *, dim: int = 5, noise_std: float = 0.01,
+def get_batch(batch_size: int, n_pairs: int, *, dim: int = DIM, noise_std: float = 0.01,
               kappa_max: float | None = 1e3, order: str = "random", bias_feature: bool = True,
               generator: torch.Generator | None = None, device: str | torch.device = "cpu",
               ) -> ICLBatch:
@@ -344,23 +345,23 @@ class LeastSquaresTask:
 
     Batch k of iteration i is drawn on the training device from seeded_generator(seed, 0, i, k),
     so it does not depend on which rank draws it (it does differ between CPU and CUDA runs). The
-    eval splits are fixed sets of icl_eval_batches batches drawn like the training batches (same
+    eval splits are fixed sets of eval_iters batches drawn like the training batches (same
     noise and order, streams 1 and 2, iteration -1): "train" is what Bir et al. report, "val" a
     second, independent set used to pick checkpoints.
     """
 
     def __init__(self, cfg, model_args: dict, device: str):
-        self.kwargs = dict(dim=cfg.icl_dim, noise_std=cfg.icl_noise_std, order=cfg.icl_order,
-                           bias_feature=cfg.icl_bias_feature, device=device)
+        # Bir et al.'s setting: get_batch's defaults (dim 5, noise 0.01, random order, a bias feature)
+        self.kwargs = dict(device=device)
         self.batch_size, self.n_pairs, self.seed = cfg.batch_size, cfg.icl_pairs, cfg.seed
         self.model_defaults = {
-            "in_features": token_dim(cfg.icl_dim, cfg.icl_bias_feature),
-            "out_features": cfg.icl_dim,
-            "embed_fan_in": cfg.icl_dim + 1 + int(cfg.icl_bias_feature),  # Bir et al. §8.2: 7
+            "in_features": token_dim(),
+            "out_features": DIM,
+            "embed_fan_in": DIM + 2,  # Bir et al. §8.2: 7 non-zero features (x, y, the bias feature)
             "block_size": 2 * cfg.icl_pairs,
         }
         self.tokens_per_batch = cfg.batch_size * 2 * cfg.icl_pairs
-        self.eval_sets = {split: [self.draw(stream, -1, k) for k in range(cfg.icl_eval_batches)]
+        self.eval_sets = {split: [self.draw(stream, -1, k) for k in range(cfg.eval_iters)]
                           for stream, split in ((1, "train"), (2, "val"))}
         self.bounds = eval_set_baselines(self.eval_sets["val"])
 

@@ -578,7 +578,7 @@ def register_rope(module: nn.Module, config: GPTConfig, head_dim: int) -> bool:
     """Give an attention module the RoPE tables as buffers when config.pos is "rope"; True if it has them."""
     if config.pos != "rope":
         return False
-    cos, sin = rope_tables(head_dim, config.block_size, config.rope_base)
+    cos, sin = rope_tables(head_dim, config.block_size, 10000.0)
     module.register_buffer("rope_cos", cos, persistent=False)
     module.register_buffer("rope_sin", sin, persistent=False)
     return True

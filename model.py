@@ -24,7 +24,7 @@ DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanog
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -52,55 +52,52 @@ from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, S
 
 
 class Scheme(NamedTuple):
-    """The primitives one residual scheme is made of (every field is overridable per config)."""
+    """One residual scheme: where it normalizes, how it adds each update, how it starts. Every column can be
+    overridden by a config key of the same name (`--norms=pre+qk+final`, `--combine=rezero`)."""
 
-    input_norm: bool  # normalize the embedding before the first block (DNT InputNorm)
-    pre_norm: str  # which sub-layers see a normalized input: "attn+mlp", "attn", "mlp", "none"
-    qk_norm: bool  # RMS-normalize queries and keys per head (DNT QKNorm)
-    mid_norm: bool  # normalize each sub-layer output before the residual (DNT MidNorm)
-    combine: str  # residual rule, see `combine_coefficients` and `GeodesicStep`
-    post_norm: bool  # normalize after the residual (Post-Norm, DeepNorm)
-    final_norm: bool  # normalize before the output head
-    attn_scale: str  # attention logit scale: "1/sqrt(d)" (standard), "1/d" (Lipschitz), "sqrt(d)" (nGPT)
-    branch_scale: float  # multiplies each sub-layer output (1/3 in the Lipschitz block)
-    init: str  # "gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out" (see `GPT._init_block_linear`)
-    # columns of the schemes since 2020; their defaults leave the rows that do not name them unchanged
-    v_norm: bool = False  # RMS-normalize the values like the queries and keys (HybridNorm's QKV-Norm)
-    qk_norm_span: str = "head"  # q/k/v norm over each head ("head", DNT eq. 10) or the whole projection ("all", OLMo 2)
+    norms: str  # where it normalizes, +-joined: input pre pre_attn pre_mlp qk qk_all qkv mid post post_attn final
+    combine: str = "add"  # residual rule: add, pre_alt, deepnorm, convex, geodesic, rezero, rezero_block, nlerp (nGPT)
+    attn_scale: str = "1/sqrt(d)"  # attention logit scale: "1/sqrt(d)", "1/d" (Lipschitz), "sqrt(d)" (nGPT)
+    branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
+    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out
     pre_norm_scale: str = "1"  # multiplies each pre-norm output: "1", or "1/sqrt(l)" in block l = 1..L (LNS)
-    post_norm_at: str = "attn+mlp"  # the updates post_norm follows: "attn+mlp", or "attn" (HybridNorm)
-    first_blocks: str = "same"  # "post": first blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm (HybridNorm*)
+    first_blocks: str = "same"  # "post": the first quarter of the blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
-    hypersphere: bool = False  # nGPT's unit-norm weights and sub-layers with learned scalings (see `SphereLinear`)
     tie_head: bool = True  # the output head shares the token embedding's weight (GPT-2)
 
+    def normalizes(self, *places: str) -> bool:
+        """Whether the row has a norm at any of `places`."""
+        return not set(places).isdisjoint(self.norms.split("+"))
 
-# fmt: off
-#                  input  pre_norm    qk     mid    combine     post   final  attn_scale   branch init
+
+# Where a scheme can normalize: the embedding ("input"); each sub-layer's input ("pre" both, "pre_attn", "pre_mlp");
+# q and k per head (DNT eq. 10), over the whole projection (OLMo 2) or with v too (HybridNorm's QKV-norm); each
+# sub-layer's output ("mid"); the stream after each update ("post") or the attention update only (HybridNorm);
+# the stream before the head ("final").
+NORM_PLACES = ("input", "pre", "pre_attn", "pre_mlp", "qk", "qk_all", "qkv", "mid", "post", "post_attn", "final")
+
 SCHEMES: dict[str, Scheme] = {
-    "post":      Scheme(False, "none",     False, False, "add",      True,  False, "1/sqrt(d)", 1.0, "gpt2"),
-    "pre":       Scheme(False, "attn+mlp", False, False, "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2"),
-    "pre_alt":   Scheme(False, "attn+mlp", False, False, "pre_alt",  False, True,  "1/sqrt(d)", 1.0, "gpt2"),
-    "deepnorm":  Scheme(False, "none",     False, False, "deepnorm", True,  False, "1/sqrt(d)", 1.0, "deepnorm"),
-    "sandwich":  Scheme(False, "attn+mlp", False, True,  "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2"),
-    "geonorm":   Scheme(False, "none",     False, False, "geodesic", False, True,  "1/sqrt(d)", 1.0, "gpt2"),
-    "dnt":       Scheme(True,  "attn",     True,  True,  "add",      False, True,  "1/sqrt(d)", 1.0, "xavier"),
-    "lipschitz": Scheme(False, "none",     False, False, "convex",   False, False, "1/d",       1/3, "orthogonal"),
-    "none":      Scheme(False, "none",     False, False, "add",      False, False, "1/sqrt(d)", 1.0, "orthogonal"),
-    "peri":      Scheme(True,  "attn+mlp", False, True,  "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2"),
-    "olmo2":     Scheme(False, "none",     True,  True,  "add",      False, True,  "1/sqrt(d)", 1.0, "normal",
-                        qk_norm_span="all"),
-    "mixln":     Scheme(False, "attn+mlp", False, False, "add",      False, True,  "1/sqrt(d)", 1.0, "gpt2",
-                        first_blocks="post"),
-    "lns":       Scheme(False, "attn+mlp", False, False, "add",      False, True,  "1/sqrt(d)", 1.0, "normal",
-                        pre_norm_scale="1/sqrt(l)"),
-    "hybrid":    Scheme(False, "none",     True,  False, "add",      True,  True,  "1/sqrt(d)", 1.0, "gpt2",
-                        v_norm=True, post_norm_at="attn"),
-    "rezero":    Scheme(False, "none",     False, False, "rezero",   False, False, "1/sqrt(d)", 1.0, "gpt2"),
-    "speedrun":  Scheme(True,  "attn+mlp", True,  False, "add",      False, True,  "1/sqrt(d)", 1.0, "zero_out",
-                        norm_affine=False),
-    "ngpt":      Scheme(False, "none",     True,  False, "nlerp",    False, False, "sqrt(d)",   1.0, "gpt2",
-                        hypersphere=True, tie_head=False),
+    "post": Scheme("post"),
+    "pre": Scheme("pre+final"),
+    "pre_alt": Scheme("pre+final", combine="pre_alt"),
+    "deepnorm": Scheme("post", combine="deepnorm", init="deepnorm"),
+    "sandwich": Scheme("pre+mid+final"),
+    "geonorm": Scheme("final", combine="geodesic"),
+    "dnt": Scheme("input+pre_attn+qk+mid+final", init="xavier"),  # DNT's S5, its default; S1-S4 are App. D's ablations
+    "dnt_s1": Scheme("pre+final", init="xavier"),
+    "dnt_s2": Scheme("pre+qk+final", init="xavier"),
+    "dnt_s3": Scheme("input+pre+qk+final", init="xavier"),
+    "dnt_s4": Scheme("input+pre+qk+mid+final", init="xavier"),
+    "lipschitz": Scheme("none", combine="convex", attn_scale="1/d", branch_scale=1 / 3, init="orthogonal"),
+    "none": Scheme("none", init="orthogonal"),
+    "peri": Scheme("input+pre+mid+final"),
+    "olmo2": Scheme("qk_all+mid+final", init="normal"),
+    "mixln": Scheme("pre+final", first_blocks="post"),
+    "lns": Scheme("pre+final", init="normal", pre_norm_scale="1/sqrt(l)"),
+    "hybrid": Scheme("qkv+post_attn+final"),
+    "rezero": Scheme("none", combine="rezero"),
+    "speedrun": Scheme("input+pre+qk+final", init="zero_out", norm_affine=False),
+    "ngpt": Scheme("qk", combine="nlerp", attn_scale="sqrt(d)", tie_head=False),
 }
 
 # `none` is Bir et al. §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
@@ -111,100 +108,49 @@ SCHEMES: dict[str, Scheme] = {
 # and Y = X + MHA(X), X' = N(Y) + FFN(N(Y)), i.e. a post-norm after the attention update only.
 # `speedrun` is the modded-nanogpt record of 2024-11-03 minus its untied, zero-initialized head: every
 # scheme here ties the head to the embedding. `norm="dyt"`/`"derf"` replace every norm above except q/k/v's.
-# `ngpt`'s matrices are drawn by `init` and then put on the unit sphere, so only the directions of the
-# draw matter (isotropic, as the paper's N(0, 1/sqrt(d)) draw); its QK-norm is L2 times s_qk.
-# DNT App. D ablation settings; `dnt` above is S5, the paper's default.
-DNT_SETTINGS: dict[str, Scheme] = {
-    "S1": Scheme(False, "attn+mlp", False, False, "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
-    "S2": Scheme(False, "attn+mlp", True,  False, "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
-    "S3": Scheme(True,  "attn+mlp", True,  False, "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
-    "S4": Scheme(True,  "attn+mlp", True,  True,  "add",     False, True,  "1/sqrt(d)", 1.0, "xavier"),
-    "S5": SCHEMES["dnt"],
-}
-# fmt: on
+# `ngpt` (combine "nlerp") keeps every matrix and the stream on the unit sphere: its matrices are drawn by
+# `init` and normalized, so only the directions of the draw matter; its QK-norm is L2 times s_qk.
 
 NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
-COMBINE_RULES = ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "nlerp")
-PRE_NORM_PLACES = ("attn+mlp", "attn", "mlp", "none")
-ATTN_SCALES = ("1/sqrt(d)", "1/d", "sqrt(d)")
-INITS = ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out")
-QK_NORM_SPANS = ("head", "all")
-PRE_NORM_SCALES = ("1", "1/sqrt(l)")
-POST_NORM_PLACES = ("attn+mlp", "attn")
-FIRST_BLOCKS = ("same", "post", "pre")
-GEONORM_DECAYS = ("harmonic", "sqrt", "linear", "none")
-GEONORM_RADII = ("embedding", "sqrt_d")
-GEONORM_CLAMP_SIDES = ("upper", "both")
+MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
+NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
+CHOICES = {  # the valid values of every text key
+    "norm_scheme": tuple(SCHEMES), "norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
+    "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
+    "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
+    "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
+    "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
+    "geonorm_radius": ("embedding", "sqrt_d"),
+}
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for speed
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers, like GPT-2
-    # normalization: a scheme (a row of SCHEMES) and the norm type used everywhere it normalizes
-    norm_scheme: str = "pre"
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    dnt_setting: str = "S5"
-    # per-primitive overrides of the scheme's row; None keeps the row's value
-    input_norm: bool | None = None
-    pre_norm: str | None = None
-    qk_norm: bool | None = None
-    mid_norm: bool | None = None
-    combine: str | None = None
-    post_norm: bool | None = None
-    final_norm: bool | None = None
-    attn_scale: str | None = None
-    branch_scale: float | None = None
-    init: str | None = None
-    v_norm: bool | None = None
-    qk_norm_span: str | None = None
-    pre_norm_scale: str | None = None
-    post_norm_at: str | None = None
-    first_blocks: str | None = None  # "pre" on norm_scheme="hybrid" is HybridNorm*
-    norm_affine: bool | None = None
-    mixln_fraction: float = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm
-    # DyT and Derf: alpha's initial value in every norm, in the attention update's norms, in the final norm
-    # (None: norm_alpha_init); DyT's LLaMA recipe uses 0.2 / 0.8 / 0.2 at 7B
-    norm_alpha_init: float = 0.5
-    norm_alpha_init_attn: float | None = None
-    norm_alpha_init_final: float | None = None
-    # a learnable scalar, init sqrt(d), multiplies the embedding; None: exactly with norm="dyt"/"derf", as DyT's
-    # LLaMA recipe and Derf's GPT-2 code do (without it a pre-norm DyT stream starts at the 0.02 init scale)
-    embed_scale: bool | None = None
-    rezero_gate: str = "update"  # ReZero's alpha: one per residual "update", or one per "block" (see ReZeroAdd)
-    hypersphere: bool | None = None
-    tie_head: bool | None = None
-    # GeoNorm (eq. 5), for models that combine by the geodesic step: step-size decay over blocks, the
-    # angle clamp, learnable a and b (False fixes them at 1, 0), and the sphere the stream lives on
-    # ("embedding": each token's embedding norm; "sqrt_d": the embedding projected onto radius
-    # sqrt(n_embd)); see GeodesicStep
-    geonorm_decay: str = "harmonic"
-    geonorm_clamp: float = math.pi / 4
-    geonorm_clamp_sides: str = "upper"  # theta' <= c (eq. 5, App. D), or "both": -c <= theta' <= c
-    geonorm_affine: bool = True
-    geonorm_radius: str = "embedding"
-    # Lipschitz block (Bir et al. §6.2): learnable diagonal gain on every hidden linear map,
-    # clamped to [1e-3, gain_cap]; None disables it
-    gain_cap: float | None = None
-    # nGPT (eq. 10, 11): the eigen learning rates alpha_A, alpha_M start here (0.05 in the paper and
-    # its code, "in the order of 1/n_layers" (§2.6): 1/n_layer is the other reading at another depth)
-    ngpt_alpha_init: float = 0.05
-    # architecture
-    mlp: str = "gelu"  # "gelu" (GPT-2, 4d hidden) or "swiglu"
-    mlp_hidden: int | None = None  # MLP width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
-    pos: str = "learned"  # "learned" (GPT-2) or "rope"
-    rope_base: float = 10000.0
-    # vector mode (the least-squares task): float inputs and outputs instead of tokens
-    in_features: int | None = None
-    out_features: int | None = None
-    embed_fan_in: int | None = None  # non-zero input features per token (Bir et al.: 7)
+    block_size: int = 1024  # the longest sequence the model reads
+    n_layer: int = 12  # number of blocks L
+    n_head: int = 12  # attention heads
+    n_embd: int = 768  # width d of the residual stream
+    dropout: float = 0.0  # dropout on the embedding, the attention weights and each sub-layer's output
+    bias: bool = True  # biases in the linear maps and norms, like GPT-2
+    norm_scheme: str = "pre"  # the residual scheme: a row of SCHEMES; its columns are keys too (--norms=...)
+    norm: str = "layernorm"  # the norm at every place the scheme normalizes: layernorm, rmsnorm, headwise, dyt, derf
+    norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
+    norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
+    embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
+    mlp: str = "gelu"  # "gelu" (GPT-2) or "swiglu"
+    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
+    pos: str = "learned"  # position embedding: "learned" (GPT-2) or "rope" (base 10000)
+    gain_cap: float | None = None  # Lipschitz block: a learned diagonal gain on each linear map, clamped to [1e-3, cap]
+    geonorm_decay: str = "harmonic"  # GeoNorm's step-size decay over the blocks: harmonic, sqrt, linear, none
+    geonorm_clamp: float = math.pi / 4  # GeoNorm (eq. 5): the largest angle theta' one update may turn
+    geonorm_radius: str = "embedding"  # GeoNorm's sphere: each token's embedding norm, or "sqrt_d" (see GeodesicStep)
+    overrides: dict = field(default_factory=dict)  # the scheme columns this config sets (the keys named like them)
+    # set by the task, not by a config
+    vocab_size: int = 50304  # the dataset's vocabulary (GPT-2's 50257 padded up to a multiple of 64 for speed)
+    in_features: int | None = None  # vector tokens (the least-squares task): features per input token
+    out_features: int | None = None  # vector tokens: values per prediction
+    embed_fan_in: int | None = None  # vector tokens: non-zero input features per token (Bir et al.: 7)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -212,74 +158,57 @@ class GPTConfig:
     @property
     def scheme(self) -> Scheme:
         """The scheme's row with this config's overrides applied."""
-        if self.norm_scheme == "dnt":
-            row = DNT_SETTINGS[self.dnt_setting]
-        else:
-            row = SCHEMES[self.norm_scheme]
-        overrides = {k: getattr(self, k) for k in Scheme._fields if getattr(self, k) is not None}
-        return row._replace(**overrides)
+        return SCHEMES[self.norm_scheme]._replace(**self.overrides)
 
     @property
     def vector_mode(self) -> bool:
         return self.in_features is not None
 
-
-def _check_choice(name: str, value: object, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+    @property
+    def hypersphere(self) -> bool:
+        """nGPT: unit-norm embeddings, matrices and stream, which its normalized lerp ("nlerp") needs."""
+        return self.scheme.combine == "nlerp"
 
 
 def check_config(c: GPTConfig) -> None:
     """Reject impossible settings with a message that names the key and the valid values."""
-    _check_choice("norm_scheme", c.norm_scheme, tuple(SCHEMES))
-    _check_choice("norm", c.norm, NORM_TYPES)
-    _check_choice("dnt_setting", c.dnt_setting, tuple(DNT_SETTINGS))
-    _check_choice("geonorm_decay", c.geonorm_decay, GEONORM_DECAYS)
-    _check_choice("geonorm_radius", c.geonorm_radius, GEONORM_RADII)
-    _check_choice("geonorm_clamp_sides", c.geonorm_clamp_sides, GEONORM_CLAMP_SIDES)
-    _check_choice("mlp", c.mlp, ("gelu", "swiglu"))
-    _check_choice("pos", c.pos, ("learned", "rope"))
-    _check_choice("rezero_gate", c.rezero_gate, ("update", "block"))
-    for key, choices in [("pre_norm", PRE_NORM_PLACES), ("combine", COMBINE_RULES),
-                         ("attn_scale", ATTN_SCALES), ("init", INITS), ("qk_norm_span", QK_NORM_SPANS),
-                         ("pre_norm_scale", PRE_NORM_SCALES), ("post_norm_at", POST_NORM_PLACES),
-                         ("first_blocks", FIRST_BLOCKS)]:
-        if getattr(c, key) is not None:
-            _check_choice(key, getattr(c, key), choices)
+    unknown = set(c.overrides) - set(Scheme._fields)
+    if unknown:
+        raise ValueError(f"unknown scheme column(s) {', '.join(sorted(unknown))}; columns: {', '.join(Scheme._fields)}")
+    values = {**{k: getattr(c, k) for k in CHOICES if hasattr(c, k)}, **c.overrides}
+    for key, value in values.items():
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ValueError(f"{key}={value!r} is not valid; choose one of: {', '.join(CHOICES[key])}")
+    places = c.scheme.norms.split("+")
+    if c.scheme.norms != "none" and not set(places) <= set(NORM_PLACES):
+        raise ValueError(f"norms={c.scheme.norms!r} is not valid: give places from {', '.join(NORM_PLACES)} "
+                         "joined by '+' (e.g. pre+qk+final), or 'none'")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         if getattr(c, key) < 1:
             raise ValueError(f"{key}={getattr(c, key)} must be at least 1")
-    if c.norm_eps < 0:
-        raise ValueError(f"norm_eps={c.norm_eps} must not be negative (it keeps the norm's division away from 0)")
-    if not c.rope_base > 1:
-        raise ValueError(f"rope_base={c.rope_base} must exceed 1 (the RoPE paper's is 10000): the rotation "
-                         "frequencies are its powers base^(-2i/d)")
-    if c.branch_scale is not None and not c.branch_scale > 0:
-        raise ValueError(f"branch_scale={c.branch_scale} must be positive (it multiplies every sub-layer's output)")
-    if c.embed_fan_in is not None and c.embed_fan_in < 1:
-        raise ValueError(f"embed_fan_in={c.embed_fan_in} must be at least 1 (a count of input features), or None")
+    alphas = c.norm_alpha_init if isinstance(c.norm_alpha_init, tuple) else (c.norm_alpha_init,)
+    if len(alphas) not in (1, 3) or not all(isinstance(a, (int, float)) and a > 0 for a in alphas):
+        raise ValueError(f"norm_alpha_init={c.norm_alpha_init!r} must be a positive number or three of them "
+                         "(attn, mlp, final)")
+    if not c.scheme.branch_scale > 0:
+        raise ValueError(f"branch_scale={c.scheme.branch_scale} must be positive (it multiplies each sub-layer output)")
     if c.n_embd % c.n_head != 0:
         raise ValueError(f"n_embd={c.n_embd} must be divisible by n_head={c.n_head}")
     if c.pos == "rope" and (c.n_embd // c.n_head) % 2 != 0:
         raise ValueError(f"pos='rope' needs an even head size, got {c.n_embd // c.n_head}")
     if (c.in_features is None) != (c.out_features is None):
         raise ValueError("vector mode needs both in_features and out_features (or neither)")
+    if c.embed_fan_in is not None and c.embed_fan_in < 1:
+        raise ValueError(f"embed_fan_in={c.embed_fan_in} must be at least 1 (a count of input features), or None")
     if not 0 < c.geonorm_clamp <= math.pi:
         raise ValueError(f"geonorm_clamp={c.geonorm_clamp} must lie in (0, pi]")
     if c.mlp_hidden is not None and c.mlp_hidden < 1:
         raise ValueError(f"mlp_hidden={c.mlp_hidden} must be a positive width (or None for the default)")
-    if not 0 <= c.mixln_fraction <= 1:
-        raise ValueError(f"mixln_fraction={c.mixln_fraction} must lie in [0, 1] (a fraction of the blocks)")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
-    if c.ngpt_alpha_init <= 0:
-        raise ValueError(f"ngpt_alpha_init={c.ngpt_alpha_init} must be positive (the paper uses 0.05)")
-    if c.scheme.hypersphere and c.vector_mode:
-        raise ValueError("hypersphere=True (norm_scheme='ngpt') needs token inputs: its embeddings are unit "
-                         "vectors looked up by id; drop in_features/out_features or pick another norm_scheme")
-    if c.scheme.hypersphere and c.gain_cap is not None:
-        raise ValueError("gain_cap adds a gain to the plain linear maps; hypersphere=True (norm_scheme='ngpt') "
-                         "keeps its matrices at unit norm instead: set gain_cap=None")
+    if c.hypersphere and (c.vector_mode or c.gain_cap is not None):
+        raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
+                         "it takes neither vector inputs (in_features) nor gain_cap")
 
 
 # ----------------------------------------------------------------------------- norms
@@ -292,7 +221,7 @@ def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
     if config.norm == "rmsnorm":
         return RMSNorm(config.n_embd, eps=config.norm_eps)
     if config.norm in ELEMENTWISE_NORMS:
-        alpha = config.norm_alpha_init if alpha_init is None else alpha_init
+        alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
         return {"dyt": DynamicTanh, "derf": DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
     return HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
 
@@ -314,8 +243,9 @@ def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None)
 
 def norm_alpha_init(config: GPTConfig, place: str) -> float:
     """DyT/Derf's initial alpha at a place: "attn", "mlp" or "final" (per-place values of DyT's LLM recipe)."""
-    chosen = {"attn": config.norm_alpha_init_attn, "final": config.norm_alpha_init_final}.get(place)
-    return config.norm_alpha_init if chosen is None else chosen
+    if isinstance(config.norm_alpha_init, tuple):
+        return config.norm_alpha_init[("attn", "mlp", "final").index(place)]
+    return config.norm_alpha_init
 
 
 # ----------------------------------------------------------------------------- combine rules
@@ -325,11 +255,11 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
         decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return GeodesicStep(decay, config.geonorm_clamp, config.geonorm_affine, config.geonorm_clamp_sides)
-    if rule == "rezero":
+        return GeodesicStep(decay, config.geonorm_clamp)
+    if rule in ("rezero", "rezero_block"):
         return ReZeroAdd()
     if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)
-        return NormalizedLerp(config.n_embd, config.ngpt_alpha_init, config.n_embd**-0.5)
+        return NormalizedLerp(config.n_embd, NGPT_ALPHA_INIT, config.n_embd**-0.5)
     return ScaledAdd(*combine_coefficients(rule, j, config.n_layer))
 
 
@@ -348,7 +278,7 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     if not wanted:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
-    shape = (config.n_head, head_dim) if scheme.qk_norm_span == "all" else head_dim  # one gain per channel
+    shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
     norm = RMSNorm(shape, eps=config.norm_eps)
     return norm if scheme.norm_affine else without_parameters(norm)
 
@@ -362,14 +292,15 @@ class CausalSelfAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             make_linear(config, d, d) for _ in range(4))
         scheme = config.scheme
-        self.q_norm, self.k_norm = (make_qkv_norm(config, scheme.qk_norm) for _ in range(2))
-        self.v_norm = make_qkv_norm(config, scheme.v_norm)
+        qk_norm = scheme.normalizes("qk", "qk_all", "qkv")
+        self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
+        self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
         self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
         self.rope = register_rope(self, config, self.head_dim)
         # <q g_q, k g_k> = <q (g_q g_k), k>: with nothing between the norms and the dot product, the keys'
         # gain rides on the queries and the keys' norm skips its multiply (a RoPE rotation would not commute)
-        self.gains_on_queries = scheme.qk_norm and not self.rope
+        self.gains_on_queries = qk_norm and not self.rope
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated);
@@ -420,16 +351,21 @@ class MLP(nn.Module):
 def block_scheme(config: GPTConfig, layer: int) -> Scheme:
     """The row as block `layer` (0-based) uses it: the `first_blocks` rule may place its norms differently.
 
-    "post" (Mix-LN, Li et al.): Post-Norm in the first floor(mixln_fraction * L) blocks, the row's Pre-Norm after
+    "post" (Mix-LN, Li et al.): Post-Norm in the first floor(MIXLN_FRACTION * L) blocks, the row's Pre-Norm after
     them, as `post_pre` of the LayerNorm-Scaling code. "pre" (HybridNorm*, Zhuo et al.): block 0 is Pre-Norm on
     both sub-layers and keeps the row's QKV-norm, as the HybridNorm code's `norm_pos_special_config` for block 0.
     """
     scheme = config.scheme
-    if scheme.first_blocks == "post" and layer < math.floor(config.mixln_fraction * config.n_layer):
-        return scheme._replace(pre_norm="none", post_norm=True, post_norm_at="attn+mlp")
+    if scheme.first_blocks == "post" and layer < math.floor(MIXLN_FRACTION * config.n_layer):
+        return with_norms(scheme, drop=("pre", "pre_attn", "pre_mlp", "post_attn"), add="post")
     if scheme.first_blocks == "pre" and layer == 0:
-        return scheme._replace(pre_norm="attn+mlp", post_norm=False)
+        return with_norms(scheme, drop=("post", "post_attn"), add="pre")
     return scheme
+
+
+def with_norms(scheme: Scheme, drop: tuple[str, ...], add: str) -> Scheme:
+    places = [p for p in scheme.norms.split("+") if p not in (*drop, "none")]
+    return scheme._replace(norms="+".join([add, *places]))
 
 
 class ResidualUpdate(nn.Module):
@@ -439,15 +375,15 @@ class ResidualUpdate(nn.Module):
         super().__init__()
         scheme = block_scheme(config, layer)
         alpha = norm_alpha_init(config, name)
-        self.pre_norm = maybe_norm(config, scheme.pre_norm in ("attn+mlp", name), alpha)
+        self.pre_norm = maybe_norm(config, scheme.normalizes("pre", f"pre_{name}"), alpha)
         # LNS (Sun et al.): the pre-norm output of block l = layer + 1 times 1/sqrt(l)
         self.pre_norm_scale = 1 / math.sqrt(layer + 1) if scheme.pre_norm_scale == "1/sqrt(l)" else 1.0
         self.sublayer = sublayer
         self.branch_scale = scheme.branch_scale
         self.dropout = nn.Dropout(config.dropout)
-        self.mid_norm = maybe_norm(config, scheme.mid_norm, alpha)
+        self.mid_norm = maybe_norm(config, scheme.normalizes("mid"), alpha)
         self.combine = make_combine(config, j, layer)
-        self.post_norm = maybe_norm(config, scheme.post_norm and scheme.post_norm_at in ("attn+mlp", name), alpha)
+        self.post_norm = maybe_norm(config, scheme.normalizes("post", f"post_{name}"), alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pre_norm(x)
@@ -463,11 +399,10 @@ class ResidualUpdate(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        sphere = config.scheme.hypersphere
-        attention, mlp = (SphereAttention, SphereMLP) if sphere else (CausalSelfAttention, MLP)
+        attention, mlp = (SphereAttention, SphereMLP) if config.hypersphere else (CausalSelfAttention, MLP)
         self.attn = ResidualUpdate(config, attention(config), "attn", 2 * layer + 1, layer)
         self.mlp = ResidualUpdate(config, mlp(config), "mlp", 2 * layer + 2, layer)
-        if config.rezero_gate == "block" and isinstance(self.mlp.combine, ReZeroAdd):
+        if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -483,24 +418,23 @@ class GPT(nn.Module):
         self.config = config
         scheme = config.scheme
         d = config.n_embd
-        embedding = SphereEmbedding if scheme.hypersphere else nn.Embedding
+        embedding = SphereEmbedding if config.hypersphere else nn.Embedding
         if config.vector_mode:
             self.wte = nn.Linear(config.in_features, d, bias=False)
         else:
             self.wte = embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
-        embed_scale = config.norm in ELEMENTWISE_NORMS if config.embed_scale is None else config.embed_scale
-        self.embed_scale = ScalarGain(math.sqrt(d)) if embed_scale else nn.Identity()
-        self.input_norm = maybe_norm(config, scheme.input_norm)
+        self.embed_scale = ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
+        self.input_norm = maybe_norm(config, scheme.normalizes("input"))
         self.drop = nn.Dropout(config.dropout)
         # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (see GeodesicStep)
         on_sqrt_d_sphere = scheme.combine == "geodesic" and config.geonorm_radius == "sqrt_d"
         self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
-        self.final_norm = maybe_norm(config, scheme.final_norm, norm_alpha_init(config, "final"))
+        self.final_norm = maybe_norm(config, scheme.normalizes("final"), norm_alpha_init(config, "final"))
         if config.vector_mode:
             self.lm_head = nn.Linear(d, config.out_features, bias=False)
-        elif scheme.hypersphere:
+        elif config.hypersphere:
             self.lm_head = SphereHead(d, config.vocab_size)
         else:
             self.lm_head = nn.Linear(d, config.vocab_size, bias=False)

@@ -133,7 +133,7 @@ class SphereAttention(nn.Module):
         self.head_dim = d // config.n_head
         self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, config.bias, unit_dim=1) for _ in range(3))
         self.out_proj = SphereLinear(d, d, config.bias, unit_dim=0)
-        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.qk_norm else None
+        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.normalizes("qk", "qk_all", "qkv") else None
         self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
         self.rope = register_rope(self, config, self.head_dim)

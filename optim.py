@@ -706,30 +706,15 @@ def split_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 OPTIMIZERS = ("adamw", "sgdw", "muon", "manifold_muon")
-
-# Options of build_optimizer(**options) with their defaults, and who reads them. A training
-# script may pass all of them whatever the optimizer; each optimizer ignores the others.
-OPTIMIZER_OPTIONS: dict[str, Any] = dict(
-    eps=1e-8,  # adamw; also the eps of the AdamW groups of muon / manifold_muon
-    fused=None,  # adamw: fused kernel; None = on CUDA only
-    momentum=0.9,  # sgdw (DNT: 0.9)
-    nesterov=False,  # sgdw
-    matrix_lr=None,  # muon / manifold_muon: lr of the matrices; None = 0.02 / 0.1
-    matrix_momentum=0.95,  # muon / manifold_muon
-    matrix_nesterov=True,  # muon / manifold_muon
-    ns_steps=5,  # muon: Newton-Schulz steps
-    adjust_lr="original",  # muon: "original" or "match_rms_adamw"
-    matrix_weight_decay=None,  # muon: decay of the matrices; None = weight_decay (manifold_muon: 0)
-    gradient_scale="unit_rms",  # manifold_muon: "unit_rms" (G's singular values RMS 1) or "raw"
-    dual_init="bernstein",  # manifold_muon: first dual, "bernstein" (-1/4 (W^T G + G^T W)) or "zero"
-    dual_steps=1,  # manifold_muon: dual-ascent steps per update
-    dual_lr=0.01,  # manifold_muon: dual-ascent step alpha (the released code: 0.1 on raw G)
-    dual_reset=False,  # manifold_muon: re-initialize the dual every step instead of carrying it
-    msign_steps=10,  # manifold_muon: iterations of the two direction msigns
-    direction_dtype="bfloat16",  # manifold_muon: precision of the direction msigns, or "float32"
-    distributed=True,  # muon / manifold_muon: shard the matrices across ranks when possible
-)
-DEFAULT_MATRIX_LR = {"muon": 0.02, "manifold_muon": 0.1}
+# the options each optimizer reads from build_optimizer(**options); the defaults are its class's (a None option
+# keeps them). ns_steps is Muon's Newton-Schulz step count and Manifold Muon's msign iteration count.
+OPTIONS = {
+    "adamw": ("eps", "fused"),
+    "sgdw": ("momentum", "nesterov"),
+    "muon": ("matrix_lr", "momentum", "nesterov", "ns_steps", "adjust_lr", "eps", "distributed"),
+    "manifold_muon": ("matrix_lr", "momentum", "nesterov", "ns_steps", "gradient_scale", "dual_init", "dual_steps",
+                      "dual_lr", "eps", "distributed"),
+}
 
 
 def build_optimizer(
@@ -747,20 +732,20 @@ def build_optimizer(
     `lr`, `weight_decay` and `betas` are the AdamW-side settings: AdamW's (and SGDW's lr and
     weight decay) for "adamw"/"sgdw", the AdamW groups' for "muon"/"manifold_muon", whose
     matrices take `matrix_lr`. Groups: parameters >= 2-D with `weight_decay` and the rest without;
-    the Muons put the matrices in their own "matrix" group first, decayed by `matrix_weight_decay`:
-    for Muon None means `weight_decay`, for Manifold Muon 0 (the retraction undoes any decay, so
-    it rejects another value). `options` are listed with their defaults in OPTIMIZER_OPTIONS.
+    the Muons put the matrices in their own "matrix" group first: Muon decays them by `weight_decay`,
+    Manifold Muon not at all (its retraction would undo any decay). `options` (OPTIONS[name]; None keeps
+    the class's default) may hold other optimizers' options too: each optimizer ignores those.
 
     Every param group gets "base_lr" = its initial lr, so a schedule sets
     group["lr"] = group["base_lr"] * multiplier for all groups.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid names: {', '.join(OPTIMIZERS)}")
-    unknown = sorted(set(options) - set(OPTIMIZER_OPTIONS))
+    known = {k for names in OPTIONS.values() for k in names}
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown optimizer option(s) {unknown}; valid options: "
-                         f"{', '.join(OPTIMIZER_OPTIONS)}")
-    opt = {**OPTIMIZER_OPTIONS, **options}
+        raise ValueError(f"unknown optimizer option(s) {unknown}; valid options: {', '.join(sorted(known))}")
+    opt = {k: v for k, v in options.items() if k in OPTIONS[name] and v is not None}
     parts = split_params(model)
     elementwise = name in ("adamw", "sgdw")  # these treat matrices like the other >=2-D params
     groups = [{"params": (parts["matrix"] if elementwise else []) + parts["decay"],
@@ -768,30 +753,21 @@ def build_optimizer(
               {"params": parts["no_decay"], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if name == "adamw":
-        fused = device_type == "cuda" if opt["fused"] is None else opt["fused"]
-        optimizer: Optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=opt["eps"],
-                                                 fused=fused)
+        fused = opt.pop("fused", device_type == "cuda")
+        optimizer: Optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused, **opt)
     elif name == "sgdw":
-        optimizer = SGDW(groups, lr=lr, momentum=opt["momentum"], nesterov=opt["nesterov"])
+        optimizer = SGDW(groups, lr=lr, **opt)
     else:
-        matrix_lr = DEFAULT_MATRIX_LR[name] if opt["matrix_lr"] is None else opt["matrix_lr"]
-        matrix_wd = opt["matrix_weight_decay"]
-        if matrix_wd is None:
-            matrix_wd = weight_decay if name == "muon" else 0.0
-        if matrix_wd < 0:
-            raise ValueError(f"matrix_weight_decay={matrix_wd} must not be negative")
-        shared = dict(lr=matrix_lr, momentum=opt["matrix_momentum"],
-                      nesterov=opt["matrix_nesterov"], weight_decay=matrix_wd,
-                      adamw_params=groups, adamw_lr=lr, adamw_betas=betas, adamw_eps=opt["eps"],
-                      distributed=opt["distributed"])
-        if name == "muon":
-            optimizer = Muon(parts["matrix"], ns_steps=opt["ns_steps"],
-                             adjust_lr=opt["adjust_lr"], **shared)
-        else:
-            manifold_options = ("gradient_scale", "dual_init", "dual_steps", "dual_lr",
-                                "dual_reset", "msign_steps", "direction_dtype")
-            optimizer = ManifoldMuon(parts["matrix"], **{k: opt[k] for k in manifold_options},
-                                     **shared)
+        if "matrix_lr" in opt:
+            opt["lr"] = opt.pop("matrix_lr")
+        if "eps" in opt:
+            opt["adamw_eps"] = opt.pop("eps")
+        if name == "manifold_muon" and "ns_steps" in opt:
+            opt["msign_steps"] = opt.pop("ns_steps")
+        matrix_decay = weight_decay if name == "muon" else 0.0
+        cls = Muon if name == "muon" else ManifoldMuon
+        optimizer = cls(parts["matrix"], weight_decay=matrix_decay, adamw_params=groups, adamw_lr=lr,
+                        adamw_betas=betas, **opt)
     for group in optimizer.param_groups:
         group["base_lr"] = group["lr"]
     return optimizer

@@ -303,9 +303,9 @@ class MetricsLog:
     record) refuses a log that has lost some of them since, unless it is empty (the user chose to go on
     without the history)."""
 
-    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, wandb_run=None,
-                 reevaluates: bool = True, logged_lines: int | None = None):
-        self.path, self.enabled, self.wandb = os.path.join(out_dir, METRICS_NAME), enabled, wandb_run
+    def __init__(self, out_dir: str, enabled: bool, resume_iter: int | None = None, reevaluates: bool = True,
+                 logged_lines: int | None = None):
+        self.path, self.enabled = os.path.join(out_dir, METRICS_NAME), enabled
         self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
         self.lines, self.moved = 0, None  # moved: what a resumed run moved aside, in words
         if enabled and resume_iter and not os.path.lexists(self.path):
@@ -368,5 +368,3 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         self.lines += 1
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("iter"))

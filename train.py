@@ -39,9 +39,9 @@ log line (in the all-reduce they do there anyway). The last checkpoint is kept i
 may be poisoned (batches skipped as non-finite since the last evaluation); a stop during the setup ends
 the run before its first iteration, with nothing written. A second SIGINT stops at once: exit code 130.
 
-Diagnostics on request, written to the eval lines: log_grad_stats (per-parameter gradient norms
-and the tail of |g|, from the gradients that iteration's step applies) and log_geonorm_angles
-(GeoNorm's theta' per layer). Each costs one extra forward (and backward) per evaluation.
+Diagnostics on request (log_diagnostics), written to the eval lines: per-parameter gradient norms
+and the tail of |g|, from the gradients that iteration's step applies, and, on a geodesic model,
+GeoNorm's theta' per layer. Each costs one extra forward (and backward) per evaluation.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ from run_files import (
 )
 from train_config import (
     MODEL_KEYS,
+    OPTIMIZER_KEYS,
     TRAIN_KEYS,
     ConfigError,
     TrainConfig,
@@ -123,10 +124,7 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
     if "RANK" not in os.environ:
         return Dist(), device
     ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    backend = cfg.backend if cfg.backend != "auto" else "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl" and not (device.startswith("cuda") and dist.is_nccl_available()):
-        raise ConfigError(f"backend='nccl' needs CUDA devices and a torch built with NCCL; this run is on {device}: "
-                          "use --backend=gloo or --backend=auto")
+    backend = "nccl" if device.startswith("cuda") and dist.is_nccl_available() else "gloo"
     if device.startswith("cuda"):
         device = f"cuda:{ddp.local_rank}"
         torch.cuda.set_device(device)
@@ -385,7 +383,7 @@ def check_batch_fits(cfg: TrainConfig, model_args: dict, device: str) -> None:
     seq = 2 * cfg.icl_pairs if cfg.task == "icl" else model_args.get("block_size", MODEL_KEYS["block_size"].default)
     need = cfg.batch_size * seq * model_args.get("n_embd", MODEL_KEYS["n_embd"].default) * 2
     if cfg.task == "icl":
-        need += 2 * cfg.icl_eval_batches * cfg.batch_size * seq * token_dim(cfg.icl_dim, cfg.icl_bias_feature) * 4
+        need += 2 * cfg.eval_iters * cfg.batch_size * seq * token_dim() * 4
     if device.startswith("cuda"):
         total = torch.cuda.get_device_properties(device).total_memory
     elif device == "cpu":
@@ -421,7 +419,7 @@ def val_inputs(task) -> torch.Tensor:
 def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict) -> dict:
     """The checkpoint's architecture, after checking that this run's settings fit it."""
     saved, old = checkpoint["model_args"], checkpoint["config"]
-    if old["optimizer"] != cfg.optimizer and not cfg.eval_only:
+    if old["optimizer"] != cfg.optimizer and cfg.init_from != "eval":
         raise ConfigError(f"the checkpoint was trained with optimizer={old['optimizer']!r}, this run asks for "
                           f"{cfg.optimizer!r}; its optimizer state would not fit. Pass --optimizer={old['optimizer']}")
     wanted = {**task.model_defaults, **model_args}
@@ -456,7 +454,7 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
     wsd: warmup, stable, decay (Bir et al.'s schedule: 2% warmup, constant, linear decay over the
     last 10%): flat until lr_decay_iters - cooldown_iters, then linear to the floor.
     """
-    if not cfg.decay_lr:
+    if cfg.lr_schedule == "constant":
         return 1.0
     if it < cfg.warmup_iters:
         return (it + 1) / (cfg.warmup_iters + 1)
@@ -567,9 +565,6 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
     if cfg.task == "lm" and gptconf.vocab_size < task.data.vocab_size:
         raise ConfigError(f"vocab_size={gptconf.vocab_size} is smaller than the dataset's vocabulary of "
                           f"{task.data.vocab_size} tokens; drop --vocab_size (the data sets it) or raise it")
-    if cfg.log_geonorm_angles and gptconf.scheme.combine != "geodesic":
-        raise ConfigError(f"log_geonorm_angles needs GeoNorm's geodesic step (norm_scheme='geonorm' or "
-                          f"combine='geodesic'); this model combines by {gptconf.scheme.combine!r}")
     torch.manual_seed(cfg.seed)  # the same init on every rank
     try:
         model = GPT(gptconf).to(device)
@@ -586,15 +581,10 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
     try:
         optimizer = optim.build_optimizer(
             model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-            betas=(cfg.beta1, cfg.beta2), device_type=device.split(":")[0], momentum=cfg.momentum,
-            nesterov=cfg.nesterov, matrix_lr=cfg.matrix_lr, matrix_momentum=cfg.matrix_momentum,
-            matrix_weight_decay=cfg.matrix_weight_decay, matrix_nesterov=cfg.matrix_nesterov,
-            gradient_scale=cfg.gradient_scale, dual_init=cfg.dual_init, direction_dtype=cfg.direction_dtype,
-            dual_steps=cfg.dual_steps, dual_lr=cfg.dual_lr, dual_reset=cfg.dual_reset,
-            msign_steps=cfg.msign_steps, ns_steps=cfg.ns_steps, adjust_lr=cfg.adjust_lr)
+            betas=cfg.betas, device_type=device.split(":")[0], **{k: getattr(cfg, k) for k in OPTIMIZER_KEYS})
     except ValueError as e:  # an option the optimizer refuses (e.g. decay on Manifold Muon's matrices)
         raise ConfigError(f"optimizer {cfg.optimizer}: {e}") from None
-    if checkpoint is not None and not cfg.eval_only:  # evaluation needs no optimizer state
+    if checkpoint is not None and cfg.init_from != "eval":  # evaluation needs no optimizer state
         settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         try:
             optimizer.load_state_dict(checkpoint["optimizer"])
@@ -737,14 +727,14 @@ def checkpoint_to_load(cfg: TrainConfig) -> str | None:
     """The checkpoint a resumed or eval-only run starts from (the stop save when it is the newer, see
     save_stop_checkpoint); None for a new run. Checked before out_dir is claimed, so a mistyped out_dir
     is not created."""
-    if cfg.init_from != "resume" and not cfg.eval_only:
+    if cfg.init_from == "scratch":
         return None
     last = os.path.join(cfg.out_dir, LAST_CHECKPOINT_NAME)
-    if cfg.init_from == "resume" and not cfg.eval_only and os.path.isfile(last):
+    if cfg.init_from == "resume" and os.path.isfile(last):
         return last
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     if not os.path.exists(ckpt_path):
-        needs = "eval_only evaluates out_dir's checkpoint" if cfg.eval_only else "init_from='resume'"
+        needs = "init_from='eval' evaluates out_dir's checkpoint" if cfg.init_from == "eval" else "init_from='resume'"
         raise ConfigError(f"{needs}, but there is no checkpoint at {ckpt_path}; train one first "
                           "(init_from='scratch') or fix --out_dir")
     return ckpt_path
@@ -784,7 +774,7 @@ CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "model_args": dict, "conf
 def checked_contents(checkpoint: dict, cfg: TrainConfig) -> dict:
     """The checkpoint, if it holds every field this resumed or eval-only run reads (checked before anything is
     built)."""
-    needed = {k: kind for k, kind in CHECKPOINT_FIELDS.items() if k != "optimizer" or not cfg.eval_only}
+    needed = {k: kind for k, kind in CHECKPOINT_FIELDS.items() if k != "optimizer" or cfg.init_from != "eval"}
     wrong = [k for k, kind in needed.items() if not isinstance(checkpoint.get(k), kind)]
     if wrong:
         raise foreign_checkpoint(cfg.out_dir, KeyError(f"{', '.join(wrong)} missing or of another type"))
@@ -869,8 +859,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
-    if device_type == "cuda":  # float32 matmuls on TF32 tensor cores, or in full float32 (tf32=False)
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    if device_type == "cuda":  # float32 matmuls on TF32 tensor cores
+        torch.set_float32_matmul_precision("high")
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     if checkpoint is not None and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
@@ -882,17 +872,13 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     start_evaluated = checkpoint is None or checkpoint.get("evaluated", True)
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # batches whose update was dropped
     best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
-    wandb_run = None
-    if cfg.wandb_log and ddp.master:
-        import wandb
-
-        wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
     if ddp.master and checkpoint is None:  # everything is ready: the earlier run's files go now, not before
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    log = agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only, iter_num if checkpoint else None,
-                                    wandb_run, reevaluates=evaluates_at(cfg, iter_num),  # its line is written again
+    log = agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and cfg.init_from != "eval",
+                                    iter_num if checkpoint else None,
+                                    reevaluates=evaluates_at(cfg, iter_num),  # its line is written again
                                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
                  device, f"continue {METRICS_NAME}")
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
@@ -906,7 +892,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         if checkpoint:
             changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
                        if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
-            print(f"{'evaluating' if cfg.eval_only else 'resuming'} at iter {iter_num} "
+            print(f"{'evaluating' if cfg.init_from == 'eval' else 'resuming'} at iter {iter_num} "
                   f"(saved by {checkpoint['world_size']} process(es))"
                   + (f"; changed: {', '.join(changed)}" if changed else ""))
             if log.moved:
@@ -929,16 +915,16 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             metrics = evaluate(model, raw_model, task, ddp, autocast)
             # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
             finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())
-            reason = eval_divergence(cfg, finite, iter_num >= cfg.max_iters or cfg.eval_only,
+            reason = eval_divergence(cfg, finite, iter_num >= cfg.max_iters or cfg.init_from == "eval",
                                      iter_num - eval_iter, skipped - eval_skipped)
             eval_iter, eval_skipped, eval_finite = iter_num, skipped, finite
             if all_ranks(torch.tensor(float(reason is not None or bool(nonfinite_state(raw_model, optimizer))),
                                       device=device), ddp).item():
                 return report_divergence(log, ddp, iter_num, reason or "non-finite eval loss or state", raw_model,
                                          optimizer, val_inputs(task))
-            if cfg.log_geonorm_angles:
+            if cfg.log_diagnostics and raw_model.config.scheme.combine == "geodesic":
                 metrics.update(geonorm_angles(raw_model, val_inputs(task)))
-            if cfg.log_grad_stats:  # the gradients this iteration's step will apply (same batches and masks)
+            if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
                 forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
                 if ddp.master:
                     metrics.update(gradient_statistics(raw_model, scaler.get_scale() if scaler.is_enabled() else 1.0))
@@ -948,11 +934,11 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
                                                        if isinstance(v, float)))
                 improved = metrics["val_loss"] < best_val
                 best_val = min(best_val, metrics["val_loss"])
-                if (iter_num > start_iter or not start_evaluated) and not cfg.eval_only and finite:
+                if (iter_num > start_iter or not start_evaluated) and cfg.init_from != "eval" and finite:
                     save_evaluated(cfg, iter_num, checkpoint_state, cfg.always_save_checkpoint or improved)
                 log.write(kind="eval", iter=iter_num, **metrics)  # after the save: a logged eval has its checkpoint
             t_last = time.perf_counter()  # evaluation time is not training time
-        if iter_num >= cfg.max_iters or cfg.eval_only:
+        if iter_num >= cfg.max_iters or cfg.init_from == "eval":
             break
 
         mult = lr_multiplier(cfg, iter_num)
@@ -1022,8 +1008,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
 
 
 def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
-    """Whether the loop evaluates at `iteration`: every eval_interval, at the end, and only there when eval_only."""
-    return iteration % cfg.eval_interval == 0 or iteration >= cfg.max_iters or cfg.eval_only
+    """Whether the loop evaluates at `iteration`: every eval_interval, at the end, and only there to evaluate."""
+    return iteration % cfg.eval_interval == 0 or iteration >= cfg.max_iters or cfg.init_from == "eval"
 
 
 def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state, latest: bool) -> None:
