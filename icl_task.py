@@ -350,9 +350,10 @@ class LeastSquaresTask:
     second, independent set used to pick checkpoints.
     """
 
-    def __init__(self, cfg, model_args: dict, device: str):
-        # Bir et al.'s setting: get_batch's defaults (dim 5, noise 0.01, random order, a bias feature)
-        self.kwargs = dict(device=device)
+    def __init__(self, cfg, model_args: dict, device: str, **batch_options):
+        # Bir et al.'s setting: get_batch's defaults (dim 5, noise 0.01, random order, a bias feature);
+        # batch_options (e.g. order="xy") change them
+        self.kwargs = dict(device=device, **batch_options)
         self.batch_size, self.n_pairs, self.seed = cfg.batch_size, cfg.icl_pairs, cfg.seed
         self.model_defaults = {
             "in_features": token_dim(),

@@ -242,7 +242,10 @@ def model_settings(settings: dict) -> dict:
 
 
 def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
-    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig)."""
+    """argv = [config.py] [--key=value ...] -> (TrainConfig, model keys for GPTConfig); --help lists the keys."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        raise SystemExit(0)
     settings = explicit_settings(argv)
     train = TrainConfig(**{k: v for k, v in settings.items() if k in TRAIN_KEYS})
     model_args = model_settings(settings)
@@ -251,9 +254,6 @@ def load_config(argv: list[str]) -> tuple[TrainConfig, dict]:
     ineffective = ineffective_settings(settings, train, model)
     if ineffective and os.environ.get("RANK", "0") == "0":
         print(f"warning: no effect in this run: {', '.join(ineffective)}", file=sys.stderr)
-    if model.norm in ELEMENTWISE_NORMS and not model.embed_scale and os.environ.get("RANK", "0") == "0":
-        print(f"note: norm={model.norm!r} without embed_scale=True: DyT's and Derf's LLM recipes scale the embedding "
-              "by a learnable sqrt(d); without it a pre-norm stream starts at the 0.02 init scale", file=sys.stderr)
     return train, model_args
 
 
@@ -293,11 +293,11 @@ def check_train_config(cfg: TrainConfig) -> None:
                               f"{', '.join(str(v) for v in valid)}")
     for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
                 "icl_pairs", "ns_steps", "dual_steps"):
-        if (getattr(cfg, key) or 1) < 1:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "cooldown_iters", "keep_every", "sample_tokens",
                 "grad_clip", "min_lr", "weight_decay", "skip_nonfinite", "dual_lr"):
-        if (getattr(cfg, key) or 0) < 0:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must not be negative")
     if cfg.task == "icl" and cfg.icl_pairs < DIM:  # icl_task.sample_well_conditioned
         raise ConfigError(f"icl_pairs={cfg.icl_pairs} is below the task's dimension {DIM}: with fewer pairs than "

@@ -18,5 +18,5 @@ log_interval = 50
 learning_rate = 2e-3
 min_lr = 2e-4
 warmup_iters = 50
-beta2 = 0.99
+betas = (0.9, 0.99)
 weight_decay = 0.1

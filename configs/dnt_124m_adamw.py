@@ -4,4 +4,3 @@ from configs.gpt2_124m_adamw import *  # noqa: F403
 
 out_dir = "out/dnt_124m_adamw"
 norm_scheme = "dnt"
-dnt_setting = "S5"

@@ -4,4 +4,3 @@ from configs.gpt2_124m_msgdw import *  # noqa: F403
 
 out_dir = "out/dnt_124m_msgdw"
 norm_scheme = "dnt"
-dnt_setting = "S5"

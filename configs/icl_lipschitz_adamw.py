@@ -17,19 +17,14 @@ bias = False
 dropout = 0.0
 # task (§4.1): D 5, noise 0.01 on x, random order, bias feature; T 64 as in the released sweep
 icl_pairs = 64
-icl_dim = 5
-icl_noise_std = 0.01
-icl_order = "random"
-icl_bias_feature = True
-icl_eval_batches = 8
+eval_iters = 8
 batch_size = 256
 gradient_accumulation_steps = 1
 # optimizer (Tables 1-2): AdamW lr 1e-3, betas (0.9, 0.999), wd 0.01; no clipping (the
 # released code clips only for Manifold Muon)
 optimizer = "adamw"
 learning_rate = 1e-3
-beta1 = 0.9
-beta2 = 0.999
+betas = (0.9, 0.999)
 weight_decay = 0.01
 grad_clip = 0.0
 # no skipping of non-finite batches: the paper says nothing of it and the released code's latest version

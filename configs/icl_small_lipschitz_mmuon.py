@@ -9,13 +9,12 @@ from configs.icl_small_lipschitz_adamw import *  # noqa: F403
 out_dir = "out/icl_small_lipschitz_mmuon"
 optimizer = "manifold_muon"
 matrix_lr = 0.1
-matrix_momentum = 0.95
+momentum = 0.95
 dual_steps = 1
 dual_lr = 0.01
-msign_steps = 10
+ns_steps = 10
 learning_rate = 0.01
-beta1 = 0.9
-beta2 = 0.98
+betas = (0.9, 0.98)
 weight_decay = 0.01
 grad_clip = 1.0
 gain_cap = None

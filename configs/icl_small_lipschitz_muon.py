@@ -9,11 +9,10 @@ from configs.icl_small_lipschitz_adamw import *  # noqa: F403
 out_dir = "out/icl_small_lipschitz_muon"
 optimizer = "muon"
 matrix_lr = 1e-3
-matrix_momentum = 0.95
+momentum = 0.95
 ns_steps = 5
 adjust_lr = "original"
 learning_rate = 1e-3
-beta1 = 0.9
-beta2 = 0.999
+betas = (0.9, 0.999)
 weight_decay = 0.01
 grad_clip = 0.0

@@ -5,6 +5,7 @@ implementation fails about once in 10^6 runs; all seeds are fixed, so runs are r
 """
 
 import dataclasses
+import inspect
 import math
 import re
 import sys
@@ -350,14 +351,13 @@ class ZeroModel(torch.nn.Module):
         return torch.zeros(*tokens.shape[:2], D), None
 
 
-def task_config(order: str) -> SimpleNamespace:
-    return SimpleNamespace(icl_dim=D, icl_noise_std=0.01, icl_order=order, icl_bias_feature=True,
-                           icl_pairs=8, icl_eval_batches=3, batch_size=32, seed=5)
+def task_config() -> SimpleNamespace:
+    return SimpleNamespace(icl_pairs=8, eval_iters=3, batch_size=32, seed=5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_training_batches_depend_only_on_iteration_and_index(device):
-    task = LeastSquaresTask(task_config("random"), {}, device)
+    task = LeastSquaresTask(task_config(), {}, device)
     assert task.train_batch(3, 1).tokens.device.type == task.eval_sets["val"][0].W.device.type == device
     assert task.model_defaults == {"in_features": 13, "out_features": D, "embed_fan_in": 7,
                                    "block_size": 16}
@@ -371,7 +371,7 @@ def test_training_batches_depend_only_on_iteration_and_index(device):
 def test_task_metrics_are_finite_floats_for_a_forced_order():
     # train.py treats any non-finite float metric as divergence: an absent order must be left
     # out, not reported as nan
-    task = LeastSquaresTask(task_config("xy"), {}, "cpu")
+    task = LeastSquaresTask(task_config(), {}, "cpu", order="xy")
     metrics = task.extra_metrics(ZeroModel(), nullcontext())
     assert "val_yx_loss" not in metrics
     floats = [v for v in metrics.values() if isinstance(v, float)]
@@ -406,7 +406,7 @@ def test_the_demo_refuses_a_seed_train_py_refuses(monkeypatch, capsys, seed):
 
 def small_task(device: str = "cpu", **changes) -> LeastSquaresTask:
     """The task as train.py builds it from TrainConfig's defaults, at a tiny size."""
-    cfg = dataclasses.replace(TrainConfig(), **{**dict(batch_size=16, icl_pairs=8, icl_eval_batches=4), **changes})
+    cfg = dataclasses.replace(TrainConfig(), **{**dict(batch_size=16, icl_pairs=8, eval_iters=4), **changes})
     return LeastSquaresTask(cfg, {}, device)
 
 
@@ -429,8 +429,8 @@ def test_eval_sets_are_independent_of_each_other_and_of_the_first_training_batch
 
 def test_default_noise_is_spec_value_and_training_batches_carry_it_on_x_only():
     # Bir et al. §4.1: N(0, 0.01^2) noise on the x values stored in x-tokens; targets noise-free
-    assert TrainConfig().icl_noise_std == 0.01
-    task = small_task(batch_size=256, icl_pairs=16, icl_eval_batches=1)
+    assert inspect.signature(icl_task.get_batch).parameters["noise_std"].default == 0.01
+    task = small_task(batch_size=256, icl_pairs=16, eval_iters=1)
     for batch in (task.train_batch(0, 0), task.eval_sets["val"][0]):
         x_seen = at(batch.tokens, batch.x_pos)[..., 2:2 + D]
         y_seen = at(batch.tokens, batch.y_pos)[..., 2 + D:2 + 2 * D]

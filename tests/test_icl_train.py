@@ -19,7 +19,7 @@ ZERO_PREDICTOR_LOSS = D  # E||y||^2 with y = x W, x ~ N(0, I), W ~ N(0, 1/D)
 N_LAYER = 4
 SETTINGS = dict(
     task="icl", norm_scheme="lipschitz", mlp="swiglu", pos="rope", bias=False, n_layer=N_LAYER, n_head=2,
-    n_embd=32, icl_pairs=8, batch_size=32, icl_eval_batches=8, optimizer="adamw", learning_rate=1e-2,
+    n_embd=32, icl_pairs=8, batch_size=32, eval_iters=8, optimizer="adamw", learning_rate=1e-2,
     min_lr=1e-3, weight_decay=0.0, warmup_iters=20, max_iters=800, lr_decay_iters=800, eval_interval=200,
     log_interval=50, grad_clip=1.0, seed=0,
 )
@@ -49,9 +49,9 @@ def icl_run(tmp_path_factory, one_thread) -> list[dict]:
 def test_a_least_squares_checkpoint_is_not_resumed_as_a_language_model(tmp_path):
     """The task is named, not a vocab_size the run never set; nothing is written."""
     out = tmp_path / "run"
-    assert train.train(run_args(str(out), max_iters=2, eval_interval=2, icl_eval_batches=1)) == 0
+    assert train.train(run_args(str(out), max_iters=2, eval_interval=2, eval_iters=1)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+    for change in (dict(init_from="resume", max_iters=4), dict(init_from="eval")):
         with pytest.raises(train.ConfigError, match="the checkpoint was trained on task='icl', this run asks for "
                                                     "task='lm'.*Pass --task=icl"):
             train.train(run_args(str(out), task="lm", **change))
@@ -103,7 +103,7 @@ def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
     forward pass. The RMS after block l grows roughly like r <- r + c r^2 (SwiGLU is quadratic),
     so it passes 1e38 by block ~8 at any width; train.py exits 3 before a single step."""
     out = str(tmp_path / "none")
-    args = run_args(out, norm_scheme="none", n_layer=15, max_iters=10, batch_size=8, icl_eval_batches=1)
+    args = run_args(out, norm_scheme="none", n_layer=15, max_iters=10, batch_size=8, eval_iters=1)
     assert train.train(args) == train.EXIT_DIVERGED
     status = read_metrics(out)[-1]
     assert status["kind"] == "status" and status["status"] == "diverged" and status["iter"] == 0
@@ -114,7 +114,7 @@ def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path, monkeypat
     up to N times. The plain residual overflows on every batch, so every step is dropped; its final
     evaluation is not finite, so the run ends as diverged without writing a checkpoint of that state."""
     out = str(tmp_path / "skip")
-    none = dict(norm_scheme="none", n_layer=15, batch_size=8, icl_eval_batches=1, log_interval=1)
+    none = dict(norm_scheme="none", n_layer=15, batch_size=8, eval_iters=1, log_interval=1)
     initial, final = {}, {}
     build, report_divergence = train.build, train.report_divergence
 

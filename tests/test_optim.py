@@ -578,62 +578,67 @@ def test_build_optimizer_rejects_unknown_names_and_options():
 
 def test_build_optimizer_sends_each_option_to_its_optimizer():
     # A training script passes every option whatever the optimizer (train.py does).
-    everything = dict(momentum=0.5, nesterov=True, matrix_lr=0.05, matrix_momentum=0.9,
-                      matrix_nesterov=False, dual_steps=2, dual_lr=0.02, gradient_scale="raw",
-                      dual_init="zero", direction_dtype="float32", msign_steps=8)
+    everything = dict(momentum=0.5, nesterov=False, matrix_lr=0.05, dual_steps=2, dual_lr=0.02,
+                      gradient_scale="raw", dual_init="zero", ns_steps=8, adjust_lr="match_rms_adamw")
     settings = dict(lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9), device_type="cpu")
     sgdw = build_optimizer(TinyGPT(), "sgdw", **settings, **everything)
-    assert all(g["momentum"] == 0.5 and g["nesterov"] and g["lr"] == 1e-3
+    assert all(g["momentum"] == 0.5 and not g["nesterov"] and g["lr"] == 1e-3
                for g in sgdw.param_groups)
     for name in ("muon", "manifold_muon"):
         optimizer = build_optimizer(TinyGPT(), name, **settings, **everything)
         matrix, *others = optimizer.param_groups
         assert matrix["kind"] == "matrix" and matrix["lr"] == 0.05
-        assert matrix["momentum"] == 0.9 and not matrix["nesterov"]
+        assert matrix["momentum"] == 0.5 and not matrix["nesterov"]
         assert all(g["kind"] == "adamw" and g["lr"] == 1e-3 and g["betas"] == (0.8, 0.9)
                    for g in others)
+    muon = build_optimizer(TinyGPT(), "muon", **settings, **everything).param_groups[0]
+    assert (muon["ns_steps"], muon["adjust_lr"]) == (8, "match_rms_adamw")
     manifold = build_optimizer(TinyGPT(), "manifold_muon", **settings, **everything)
     matrix = manifold.param_groups[0]
     assert (matrix["dual_steps"], matrix["dual_lr"], matrix["msign_steps"]) == (2, 0.02, 8)
-    assert (matrix["gradient_scale"], matrix["dual_init"], matrix["direction_dtype"]) == (
-        "raw", "zero", "float32")
+    assert (matrix["gradient_scale"], matrix["dual_init"]) == ("raw", "zero")
 
 
-def test_matrix_weight_decay_sets_the_matrices_apart_from_the_adamw_side():
+def test_options_left_at_none_keep_each_optimizers_own_defaults():
+    none = dict(momentum=None, nesterov=None, matrix_lr=None, ns_steps=None, adjust_lr=None, dual_steps=None)
+    settings = dict(lr=1e-3, weight_decay=0.1, betas=(0.8, 0.9), device_type="cpu")
+    sgdw = build_optimizer(TinyGPT(), "sgdw", **settings, **none).param_groups[0]
+    assert (sgdw["momentum"], sgdw["nesterov"]) == (0.9, False)
+    muon = build_optimizer(TinyGPT(), "muon", **settings, **none).param_groups[0]
+    assert (muon["lr"], muon["momentum"], muon["nesterov"], muon["ns_steps"]) == (0.02, 0.95, True, 5)
+    manifold = build_optimizer(TinyGPT(), "manifold_muon", **settings, **none).param_groups[0]
+    assert (manifold["lr"], manifold["momentum"], manifold["msign_steps"], manifold["dual_steps"]) == (0.1, 0.95, 10, 1)
+
+
+def test_muon_decays_its_matrices_by_weight_decay_and_manifold_muon_not_at_all():
     settings = dict(lr=0.1, betas=(0.9, 0.95), device_type="cpu", matrix_lr=0.5)
     model = TinyGPT()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # zero gradients: each step is the decay alone
     before = {p: p.detach().clone() for p in model.parameters()}
-    muon = build_optimizer(model, "muon", weight_decay=0.2, matrix_weight_decay=0.02, **settings)
+    muon = build_optimizer(model, "muon", weight_decay=0.2, **settings)
     muon.step()
     matrix, decay, no_decay = muon.param_groups
-    assert [g["weight_decay"] for g in (matrix, decay, no_decay)] == [0.02, 0.2, 0.0]
-    for p in matrix["params"]:  # decoupled: p (1 - lr wd), with the matrices' own lr and wd
-        torch.testing.assert_close(p.detach(), before[p] * (1 - 0.5 * 0.02), rtol=0, atol=0)
+    assert [g["weight_decay"] for g in (matrix, decay, no_decay)] == [0.2, 0.2, 0.0]
+    for p in matrix["params"]:  # decoupled: p (1 - lr wd), with the matrices' own lr
+        torch.testing.assert_close(p.detach(), before[p] * (1 - 0.5 * 0.2), rtol=0, atol=0)
     for p in decay["params"]:
         torch.testing.assert_close(p.detach(), before[p] * (1 - 0.1 * 0.2), rtol=0, atol=0)
-    # None: Muon's matrices take weight_decay, Manifold Muon's none (the retraction undoes it).
-    muon = build_optimizer(TinyGPT(), "muon", weight_decay=0.2, **settings)
-    assert muon.param_groups[0]["weight_decay"] == 0.2
+    # Manifold Muon's matrices take none: the retraction would undo it
     manifold = build_optimizer(TinyGPT(), "manifold_muon", weight_decay=0.2, **settings)
     assert [g["weight_decay"] for g in manifold.param_groups] == [0.0, 0.2, 0.0]
-    with pytest.raises(ValueError, match="no weight decay"):
-        build_optimizer(TinyGPT(), "manifold_muon", weight_decay=0.2, matrix_weight_decay=0.1,
-                        **settings)
-    with pytest.raises(ValueError, match="must not be negative"):
-        build_optimizer(TinyGPT(), "muon", weight_decay=0.2, matrix_weight_decay=-1.0, **settings)
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_train_py_passes_matrix_weight_decay(data_dir, tmp_path):
+def test_train_py_passes_the_optimizer_options(data_dir, tmp_path):
     out = str(tmp_path / "run")
-    args = tiny_run_args(data_dir, out, optimizer="muon", weight_decay=0.1, matrix_weight_decay=0.05,
+    args = tiny_run_args(data_dir, out, optimizer="muon", weight_decay=0.1, momentum=0.8, ns_steps=3,
                          max_iters=1, eval_interval=1, eval_iters=1)
     assert train.train(args) == 0
     groups = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["optimizer"]["param_groups"]
     assert [(g["kind"], g["weight_decay"]) for g in groups] == [
-        ("matrix", 0.05), ("adamw", 0.1), ("adamw", 0.0)]
+        ("matrix", 0.1), ("adamw", 0.1), ("adamw", 0.0)]
+    assert (groups[0]["momentum"], groups[0]["ns_steps"]) == (0.8, 3)
 
 
 def test_benchmark_reports_every_optimizer():
@@ -716,8 +721,8 @@ def test_released_manifold_muon_settings_are_config_keys():
     """The released code's choices are train.py keys, so a config can name them; bad values exit 2."""
     import train
 
-    cfg, _ = train.load_config(["--optimizer=manifold_muon", "--weight_decay=0", "--matrix_nesterov=False",
+    cfg, _ = train.load_config(["--optimizer=manifold_muon", "--weight_decay=0", "--nesterov=False",
                                 "--gradient_scale=raw", "--dual_init=zero", "--dual_lr=0.1"])
-    assert (cfg.matrix_nesterov, cfg.gradient_scale, cfg.dual_init) == (False, "raw", "zero")
+    assert (cfg.nesterov, cfg.gradient_scale, cfg.dual_init) == (False, "raw", "zero")
     with pytest.raises(train.ConfigError, match="dual_init"):
         train.load_config(["--optimizer=manifold_muon", "--dual_init=bernsteen"])

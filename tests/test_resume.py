@@ -80,8 +80,8 @@ def test_resume_is_bitwise_for_every_optimizer(data_dir, tmp_path, optimizer, ex
 
 def test_resume_takes_the_new_learning_rate(data_dir, tmp_path):
     out = str(tmp_path / "run")
-    assert train.train(tiny_run_args(data_dir, out, max_iters=4, decay_lr=False)) == 0
-    assert train.train(tiny_run_args(data_dir, out, max_iters=6, decay_lr=False, learning_rate=2e-4,
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4, lr_schedule="constant")) == 0
+    assert train.train(tiny_run_args(data_dir, out, max_iters=6, lr_schedule="constant", learning_rate=2e-4,
                                      init_from="resume")) == 0
     lrs = {r["iter"]: r["lr"] for r in read_metrics(out) if r["kind"] == "train"}
     assert lrs[4] == 1e-3 and lrs[5] == lrs[6] == 2e-4
@@ -401,7 +401,7 @@ def test_diagnostics_are_logged_at_evals_without_changing_training(data_dir, tmp
     plain, logged = str(tmp_path / "plain"), str(tmp_path / "logged")
     args = dict(norm_scheme="geonorm", dropout=0.1, max_iters=4, eval_interval=2)
     assert train.train(tiny_run_args(data_dir, plain, **args)) == 0
-    assert train.train(tiny_run_args(data_dir, logged, **args, log_grad_stats=True, log_geonorm_angles=True)) == 0
+    assert train.train(tiny_run_args(data_dir, logged, **args, log_diagnostics=True)) == 0
     # the extra forward/backward re-seeds dropout like the step it mirrors: training is unchanged
     assert losses(logged) == losses(plain)
     evals = [r for r in read_metrics(logged) if r["kind"] == "eval"]
@@ -566,7 +566,7 @@ def test_eval_only_needs_no_optimizer_state(straight_run, data_dir, tmp_path):
     state = run_files.load_checkpoint(str(out / "ckpt.pt"), "cpu")
     del state["optimizer"]
     run_files.save_checkpoint(str(out / "ckpt.pt"), state)
-    assert train.train(tiny_run_args(data_dir, str(out), **STOP_SETTINGS, eval_only=True)) == 0
+    assert train.train(tiny_run_args(data_dir, str(out), **STOP_SETTINGS, init_from="eval")) == 0
     with pytest.raises(train.ConfigError, match="optimizer missing or of another type"):
         train.train(tiny_run_args(data_dir, str(out), **{**STOP_SETTINGS, "max_iters": 12}, init_from="resume"))
 
@@ -725,7 +725,7 @@ def test_a_resume_that_rewinds_keeps_the_later_history_aside(data_dir, tmp_path,
     """always_save_checkpoint=False: ckpt.pt is the best evaluation's. A run that got worse after it, resumed, goes
     back there: the log lines past it move to metrics.jsonl.dropped (nothing written is lost) and one line says so."""
     out = str(tmp_path / "run")
-    settings = dict(always_save_checkpoint=False, decay_lr=False, eval_interval=4)
+    settings = dict(always_save_checkpoint=False, lr_schedule="constant", eval_interval=4)
     assert train.train(tiny_run_args(data_dir, out, max_iters=4, **settings)) == 0
     assert train.train(tiny_run_args(data_dir, out, max_iters=12, learning_rate=5.0, init_from="resume",
                                      **settings)) == 0

@@ -2,6 +2,7 @@
 each checked against the equation or placement that defines it."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch.nn as nn
 from test_model import NORM_MODULES, count, reference_attention, residual_stream, tiny, tokens
 from torch.nn import functional as F
 
+import model as model_module
 from layers import DynamicErf, DynamicTanh, ReZeroAdd
 from model import GPT, GPTConfig
 
@@ -52,8 +54,7 @@ def test_dyt_and_derf_are_elementwise_and_leave_no_normalization(norm, kind):
 
 
 def test_dyt_alpha_starts_at_its_place_value_and_the_embedding_is_scaled():
-    model = GPT(tiny(norm="dyt", norm_scheme="sandwich", norm_alpha_init=0.2, norm_alpha_init_attn=0.8,
-                     norm_alpha_init_final=0.1))
+    model = GPT(tiny(norm="dyt", norm_scheme="sandwich", norm_alpha_init=(0.8, 0.2, 0.1), embed_scale=True))
     for block in model.blocks:
         assert block.attn.pre_norm.alpha.item() == block.attn.mid_norm.alpha.item() == pytest.approx(0.8)
         assert block.mlp.pre_norm.alpha.item() == block.mlp.mid_norm.alpha.item() == pytest.approx(0.2)
@@ -111,8 +112,10 @@ def test_olmo2_normalizes_sublayer_outputs_and_q_k_over_the_whole_projection():
 
 
 @pytest.mark.parametrize("n_layer, fraction, n_post", [(8, 0.25, 2), (6, 0.25, 1), (8, 0.5, 4), (4, 0.0, 0)])
-def test_mixln_first_blocks_normalize_after_the_residual_and_the_others_before(n_layer, fraction, n_post):
-    model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer, mixln_fraction=fraction))
+def test_mixln_first_blocks_normalize_after_the_residual_and_the_others_before(n_layer, fraction, n_post,
+                                                                              monkeypatch):
+    monkeypatch.setattr(model_module, "MIXLN_FRACTION", fraction)
+    model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer))
     for layer, block in enumerate(model.blocks):
         post = layer < n_post  # floor(fraction * L) Post-Norm blocks first
         for update in (block.attn, block.mlp):
@@ -127,9 +130,9 @@ def test_mixln_first_blocks_normalize_after_the_residual_and_the_others_before(n
 
 def test_mixln_by_default_makes_the_first_quarter_of_the_blocks_post_norm():
     """Mix-LN's alpha is 0.25 (Li et al.): floor(0.25 L) Post-Norm blocks first, 2 of 8, 1 of 4 or 6, 0 of 3."""
-    assert GPTConfig().mixln_fraction == 0.25
+    assert model_module.MIXLN_FRACTION == 0.25
     for n_layer, n_post in [(8, 2), (6, 1), (4, 1), (3, 0)]:
-        model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer))  # no mixln_fraction given
+        model = GPT(tiny(norm_scheme="mixln", n_layer=n_layer))
         post = [isinstance(update.post_norm, nn.LayerNorm) for b in model.blocks for update in (b.attn, b.mlp)]
         assert post == [True] * 2 * n_post + [False] * 2 * (n_layer - n_post), n_layer
 
@@ -173,7 +176,7 @@ def test_hybrid_normalizes_q_k_and_v_and_post_norms_after_attention_only():
 
 
 def test_hybridnorm_star_makes_block_zero_pre_norm_and_keeps_its_qkv_norm():
-    model = GPT(tiny(norm_scheme="hybrid", first_blocks="pre"))
+    model = GPT(tiny(norm_scheme="hybrid", overrides={"first_blocks": "pre"}))
     first, second = model.blocks[0], model.blocks[1]
     assert isinstance(first.attn.pre_norm, nn.LayerNorm) and isinstance(first.mlp.pre_norm, nn.LayerNorm)
     assert isinstance(first.attn.post_norm, nn.Identity) and isinstance(first.mlp.post_norm, nn.Identity)
@@ -196,8 +199,8 @@ def test_rezero_is_exactly_the_identity_on_the_residual_stream_at_init():
     gates = [m.alpha.gain for m in model.modules() if isinstance(m, ReZeroAdd)]
     assert len(gates) == 2 * 3 and all(g.grad.abs() > 0 for g in gates)
     assert all(p.grad.abs().max() == 0 for b in model.blocks for n, p in b.named_parameters() if "sublayer" in n)
-    # rezero_gate="block": the attention and MLP updates of a block share one alpha
-    shared = GPT(tiny(norm_scheme="rezero", rezero_gate="block"))
+    # combine="rezero_block": the attention and MLP updates of a block share one alpha
+    shared = GPT(tiny(norm_scheme="rezero", overrides={"combine": "rezero_block"}))
     assert sum(isinstance(m, ReZeroAdd) for m in shared.modules()) == 2 * 3
     assert len([n for n, _ in shared.named_parameters() if n.endswith("combine.alpha.gain")]) == 3
 
@@ -217,9 +220,9 @@ def test_speedrun_has_no_learnable_norm_parameter_and_zero_output_projections():
 
 
 def test_new_scheme_columns_reject_bad_values():
-    for key, value in [("qk_norm_span", "row"), ("pre_norm_scale", "1/l"), ("post_norm_at", "mlp"),
-                       ("first_blocks", "last"), ("init", "zeros"), ("rezero_gate", "layer")]:
-        with pytest.raises(ValueError, match=f"{key}={value!r}"):
-            GPTConfig(**{key: value})
-    with pytest.raises(ValueError, match="mixln_fraction"):
-        GPTConfig(norm_scheme="mixln", mixln_fraction=1.5)
+    for key, value in [("norms", "pre+row"), ("pre_norm_scale", "1/l"), ("combine", "mul"),
+                       ("first_blocks", "last"), ("init", "zeros"), ("attn_scale", "1")]:
+        with pytest.raises(ValueError, match=re.escape(f"{key}={value!r}")):
+            GPTConfig(overrides={key: value})
+    with pytest.raises(ValueError, match="unknown scheme column"):
+        GPTConfig(overrides={"mixln_fraction": 0.5})

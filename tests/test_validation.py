@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("arg, message", [
-    ("--norm_scheme=geo", r"norm_scheme='geo' is not valid; choose one of: post, pre, .*geonorm, dnt, lipschitz"),
+    ("--norm_scheme=geo", r"norm_scheme='geo' is not valid; choose one of: post, .*geonorm, dnt, dnt_s1.*lipschitz"),
     ("--norm=batchnorm", r"norm='batchnorm' is not valid; choose one of: layernorm, rmsnorm, headwise"),
     ("--combine=mul", r"combine='mul' is not valid; choose one of: add, pre_alt, deepnorm, convex, geodesic"),
     ("--optimizer=adam", r"optimizer='adam' is not valid; choose one of: adamw, sgdw, muon, manifold_muon"),
@@ -78,12 +78,6 @@ def test_block_size_larger_than_the_data_is_refused(tmp_path, val, tokens):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
-def test_geonorm_angles_need_a_geodesic_model(data_dir, tmp_path):
-    with pytest.raises(train.ConfigError, match=r"log_geonorm_angles needs GeoNorm's geodesic step "
-                                                r"\(norm_scheme='geonorm' or combine='geodesic'\); .* by 'add'"):
-        train.train(tiny_run_args(data_dir, str(tmp_path / "run"), log_geonorm_angles=True))
-
-
 @pytest.mark.parametrize("change, message", [
     (dict(n_layer=3), r"cannot resume: the checkpoint's model has n_layer=2 \(this run: 3\)\. .*only dropout may"),
     (dict(optimizer="sgdw"), r"trained with optimizer='adamw', this run asks for 'sgdw'.*--optimizer=adamw"),
@@ -116,7 +110,7 @@ def test_resume_and_eval_only_keep_the_checkpoints_block_size_and_compact_vocab(
     eval and the resumed run see its windows and vocabulary and the resume is exact."""
     out = str(tmp_path / "run")
     assert train.train(tiny_run_args(data_dir, out, max_iters=2, eval_interval=2, compact_vocab=True)) == 0
-    assert train.train(without(tiny_run_args(data_dir, out, eval_only=True), "block_size")) == 0
+    assert train.train(without(tiny_run_args(data_dir, out, init_from="eval"), "block_size")) == 0
     assert train.train(without(tiny_run_args(data_dir, out, max_iters=4, eval_interval=2, init_from="resume"),
                                "block_size")) == 0
     saved = train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
@@ -133,7 +127,7 @@ def test_resume_refuses_a_dataset_whose_token_ids_mean_other_characters(tmp_path
     out = tmp_path / "run"
     assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=2, eval_interval=2)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+    for change in (dict(init_from="resume", max_iters=4), dict(init_from="eval")):
         with pytest.raises(train.ConfigError, match=r"other does not encode text as the checkpoint's training data "
                                                     r"did \(chars differ\).*\(--dataset=first\)"):
             train.train(tiny_run_args(str(tmp_path), str(out), dataset="other", eval_interval=2, **change))
@@ -161,7 +155,7 @@ def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path, tex
     assert train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", max_iters=2, eval_interval=2)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     char_dataset(tmp_path, "first", text, force=True, repeats=repeats)
-    for change in (dict(init_from="resume", max_iters=4), dict(eval_only=True)):
+    for change in (dict(init_from="resume", max_iters=4), dict(init_from="eval")):
         with pytest.raises(train.ConfigError, match=r"first was prepared again since this checkpoint was saved "
                                                     rf"\({changed}"):
             train.train(tiny_run_args(str(tmp_path), str(out), dataset="first", eval_interval=2, **change))
@@ -169,8 +163,8 @@ def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path, tex
 
 
 def test_min_lr_above_learning_rate_is_fine_without_decay():
-    """Without decay_lr the schedule never reaches min_lr (the setting only prints its no-effect warning)."""
-    cfg, _ = train.load_config(["--decay_lr=False", "--learning_rate=1e-3", "--min_lr=1e-2"])
+    """A constant schedule never reaches min_lr (the setting only prints its no-effect warning)."""
+    cfg, _ = train.load_config(["--lr_schedule=constant", "--learning_rate=1e-3", "--min_lr=1e-2"])
     assert cfg.min_lr == 1e-2 and train.lr_multiplier(cfg, 10) == 1.0
 
 
