@@ -116,7 +116,7 @@ ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not
 MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
 NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
 CHOICES = {  # the valid values of every text key
-    "norm_scheme": tuple(SCHEMES), "norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
+    "norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
     "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
     "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
     "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
@@ -175,10 +175,11 @@ def check_config(c: GPTConfig) -> None:
     unknown = set(c.overrides) - set(Scheme._fields)
     if unknown:
         raise ValueError(f"unknown scheme column(s) {', '.join(sorted(unknown))}; columns: {', '.join(Scheme._fields)}")
-    values = {**{k: getattr(c, k) for k in CHOICES if hasattr(c, k)}, **c.overrides}
+    choices = {**CHOICES, "norm_scheme": tuple(SCHEMES)}  # rows appended after this module's table count too
+    values = {**{k: getattr(c, k) for k in choices if hasattr(c, k)}, **c.overrides}
     for key, value in values.items():
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ValueError(f"{key}={value!r} is not valid; choose one of: {', '.join(CHOICES[key])}")
+        if key in choices and value not in choices[key]:
+            raise ValueError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices[key])}")
     places = c.scheme.norms.split("+")
     if c.scheme.norms != "none" and not set(places) <= set(NORM_PLACES):
         raise ValueError(f"norms={c.scheme.norms!r} is not valid: give places from {', '.join(NORM_PLACES)} "

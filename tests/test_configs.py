@@ -2,16 +2,21 @@
 
 import glob
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
 
 import train
+import train_config
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=2, gradient_accumulation_steps=1, max_iters=2,
             eval_interval=2, eval_iters=1, log_interval=1, compile=False, sample_tokens=0, warmup_iters=1,
-            lr_decay_iters=2)
+            lr_decay_iters=2, block_size=16)
 
 
 def overrides(settings: dict) -> list[str]:
@@ -33,3 +38,29 @@ def test_config_trains_two_iterations_at_tiny_size(path, data_dir, tmp_path, mon
     else:  # the paper configs name corpora that need a download; the embedded one stands in
         tiny.update(dataset="shakespeare_char", data_dir=data_dir, block_size=16)
     assert train.train([path, *overrides(tiny)]) == 0
+
+
+def test_help_lists_every_key_once_with_its_default_and_what_it_does():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.lstrip().startswith("--")]
+    keys = [re.match(r"\s*--(\w+)=", line).group(1) for line in lines]
+    assert sorted(keys) == sorted(train_config.KEYS) and len(keys) == len(set(keys))
+    assert len(keys) <= 70  # nanoGPT has 33 keys; every one here must earn its place
+    for line in lines:  # --key=default, two spaces, then what it does
+        assert re.match(r"\s*--\w+=\S.*?  \S.{10,}$", line), line
+
+
+def test_a_new_scheme_is_one_line_appended_to_model_py(tmp_path, data_dir):
+    """SCHEMES["my_norm"] = ... at the end of model.py trains with --norm_scheme=my_norm, no other edit."""
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    with open(tmp_path / "model.py", "a") as f:
+        f.write('\nSCHEMES["my_norm"] = Scheme("pre+qk+final", init="xavier")\n')
+    args = [f"--{k}={v}" for k, v in TINY.items()] + ["--norm_scheme=my_norm", "--dataset=shakespeare_char",
+                                                      f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}"]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("my_norm / layernorm:"), out.stdout
