@@ -74,7 +74,6 @@ import torch
 import prepare_data
 import train
 from model import GPTConfig
-from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
 from run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
@@ -84,6 +83,7 @@ from run_files import (
     previous_run_files,
     write_atomically,
 )
+from runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
 from train_config import ConfigError, TrainConfig, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -1209,7 +1209,7 @@ def run_command(args: argparse.Namespace) -> int:
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
                              baseline or None, args.dry_run, extra)
-    except (SweepError, ConfigError, PlotError) as e:
+    except (SweepError, ConfigError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

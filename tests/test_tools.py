@@ -1,9 +1,11 @@
 """sweep.py, plot.py and sample.py on real tiny train.py runs: summaries, skipping, resuming, divergence, labels,
 PNGs, samples."""
 
+import ast
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 from conftest import ROOT, tiny_run_args
 
 import plot
+import runs
 import sample
 import sweep
 import train
@@ -51,6 +54,21 @@ def diverged_root(data_dir, tmp_path_factory) -> tuple[str, subprocess.Completed
            "--threads_per_run", "1", "--set", *fixed]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     return out_root, result
+
+
+def imported_modules(path: str) -> set[str]:
+    """The top-level names a Python file imports, anywhere in it (functions' lazy imports too)."""
+    tree = ast.parse(pathlib.Path(ROOT, path).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_sweep_plot_and_runs_import_one_way():
+    """runs.py <- sweep.py <- plot.py: what both scripts read of a run lives below them, and no two import each
+    other (a cycle that worked only while every import of one was lazy)."""
+    assert not {"sweep", "plot"} & imported_modules("runs.py")
+    assert "runs" in imported_modules("sweep.py") and "plot" not in imported_modules("sweep.py")
+    assert "runs" in imported_modules("plot.py")
 
 
 def test_expand_grid_covers_every_combination_then_every_seed():
@@ -248,9 +266,9 @@ def test_plot_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
 ])
 def test_metrics_of_the_wrong_type_exit_2_naming_the_line(tmp_path, capsys, line, message):
     (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n' + line + "\n")
-    with pytest.raises(plot.PlotError, match=re.escape(str(tmp_path / "metrics.jsonl")) + " " + message):
-        plot.load_metrics(str(tmp_path))
-    with pytest.raises(plot.PlotError, match=message):  # not a TypeError in sweep's summary
+    with pytest.raises(runs.RunFileError, match=re.escape(str(tmp_path / "metrics.jsonl")) + " " + message):
+        runs.load_metrics(str(tmp_path))
+    with pytest.raises(runs.RunFileError, match=message):  # not a TypeError in sweep's summary
         sweep.summarize([str(tmp_path)])
     assert plot.main([str(tmp_path), "--out", str(tmp_path / "fig.png")]) == 2
     assert re.search(message, capsys.readouterr().err)
