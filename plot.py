@@ -253,6 +253,23 @@ def hidden_curves(curves: dict[str, dict[float, float]], tol: float = 2e-3) -> l
             and all(abs(curves[a][x] - curves[b][x]) < tol for x in shared)]
 
 
+def verdict_label(point: dict) -> str:
+    """A sweep point's comparison with the baseline as a second legend line (empty for the baseline): the claim
+    and δ, the word, Δ with its 95% interval, the mde and n, as the sweep's table gives them."""
+    if "verdict" not in point:
+        return ""
+    if point.get("claim") is None:  # no verdict (trained at no rate, another setup), or a summary without claims
+        return f"\n  {point['verdict']}"
+    claim, delta = point["claim"], point.get("delta") or 0
+    stated = {"none": "no claim", "on_par": f"on par within ±{delta:g}"}.get(claim, f"{claim} by δ={delta:g}")
+    word = point["verdict"].split(" (")[0]
+    numbers = [f"Δ {point['diff']:+.4f}" if point.get("diff") is not None else None,
+               "[{:+.4f}, {:+.4f}]".format(*point["ci"]) if point.get("ci") else None,
+               f"mde {point['mde']:.4f}" if point.get("mde") is not None else None,
+               "n {} vs {}".format(*point["n_seeds"]) if point.get("n_seeds") else None]
+    return f"\n  vs baseline, {stated}: {word}; " + " ".join(filter(None, numbers))
+
+
 def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = None, heading: str | None = None):
     """Final val loss against learning rate (log axis), one curve per grid point from its first-seed runs;
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
@@ -310,8 +327,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         best = point.get("best_lr")
         mean_std = point.get("val_loss_mean_std") or "-"
         ax.plot(xs, [curves[label][x] for x in xs], "o-", color=color, markersize=4,
-                label=literal(f"{label}: {mean_std} at lr {best}" if best is not None
-                              else f"{label}: every rate failed"))
+                label=literal((f"{label}: {mean_std} at lr {best}" if best is not None
+                               else f"{label}: every rate failed") + verdict_label(point)))
         if failed.get(label):  # each curve's x a little lower than the last, so that none hides another
             y = top - 0.012 * i * (high - low or 1.0)
             ax.plot(failed[label], [y] * len(failed[label]), "x", color=color, markersize=8, mew=2)
@@ -340,7 +357,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
                                   fixed("T{block_size}", "block_size", "icl_pairs")]))
     facts = [size, fixed("{data}", "dataset", "icl_pairs"), fixed("{max_iters} steps", "max_iters"),
              fixed("{optimizer}", "optimizer")] if setup else []
-    title = (", ".join(filter(None, facts)) + f"; {setup.get('seeds')} seeds at each best rate (squares: mean ± std)"
+    title = (", ".join(filter(None, facts))
+             + f"; {setup.get('seeds')} seeds held out at each best rate (squares: mean ± std)"
              if setup else "learning-rate sweep")
     hidden = hidden_curves(curves)
     if hidden:

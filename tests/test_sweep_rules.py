@@ -571,6 +571,14 @@ def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
     assert [len(line.get_xdata()) for line in drawn] == [5, 5]  # every rate of both sweeps
 
 
+def test_lr_figure_legend_states_each_comparison(tmp_path):
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)}, claims=[({}, "lower", 0.05)])
+    legend = [t.get_text() for t in plot.draw_lr_sensitivity([str(tmp_path)]).axes[0].get_legend().get_texts()]
+    assert legend[0] == "pre: 2.0000 ± 0.0158 (n=5) at lr 1e-3"  # the baseline
+    assert legend[1] == ("post: 2.5000 ± 0.0158 (n=5) at lr 1e-3\n  vs baseline, lower by δ=0.05: contradicted; "
+                         "Δ +0.5000 [+0.5000, +0.5000] mde 0.0000 n 5 vs 5")
+
+
 def test_lr_figure_title_leaves_out_swept_keys_and_states_the_tasks_context(tmp_path):
     lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, {**SETUP, "n_layer": 1}, baseline=None)
     summary = json.loads((tmp_path / "summary.json").read_text())
