@@ -14,127 +14,25 @@ flags that differ between the runs (read from the config saved in out_dir/ckpt.p
 stopped before its first one, from the command line in its run.json), or by the out_dir's name when
 there is neither. A diverged run ends in an x at the iteration its status line gives.
 
-Importable: load_metrics(out_dir), run_config(out_dir), differing_flags(runs), draw(...), plot_runs(...).
+Importable: differing_flags(runs), draw(...), plot_runs(...), draw_lr_sensitivity(...); a run's files are read by
+runs.py (load_metrics, run_config, diverged_at).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import statistics
 import sys
-from dataclasses import asdict
 
-# bookkeeping keys that differ between runs without changing what is trained
-IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
-# model keys train.py fills in from the data or the task when no flag sets them
-TASK_MODEL_KEYS = ("vocab_size", "block_size", "in_features", "out_features", "embed_fan_in")
+from runs import IGNORED_FLAGS, RunFileError, diverged_at, is_number, load_metrics, run_config
 
 
-class PlotError(ValueError):
-    """Input that cannot be plotted (a folder without metrics, a metric no run logged): plot.py prints it
-    and exits with code 2."""
-
-
-def load_metrics(out_dir: str) -> list[dict]:
-    """The records of out_dir/metrics.jsonl ([] if there is none); a line cut off mid-write, or one that is not
-    a JSON object (a file edited by hand), is skipped. A record with a value of the wrong type (an iter that is
-    not an integer, a metric that is not a number or null) raises PlotError."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path, errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict):
-                problem = record_problem(record)
-                if problem:
-                    raise PlotError(f"{path} line {number}: {problem}; fix or delete that line")
-                records.append(record)
-    return records
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def record_problem(record: dict) -> str | None:
-    """What is wrong with the types of one metrics.jsonl record, as train.py writes them, or None: iter an integer
-    (a status line may lack it); in every other line each metric a number or null (non-finite values are
-    written as null), or a list of them."""
-    kind, it = record.get("kind"), record.get("iter")
-    if ("iter" in record or kind in ("train", "eval")) and not (isinstance(it, int) and is_number(it)):
-        return f"iter is {json.dumps(it)}, not an integer" if "iter" in record else f"a {kind} line without its iter"
-    if kind == "status":
-        return None
-    for key, value in record.items():
-        values = value if isinstance(value, list) else [value]
-        if key != "kind" and not isinstance(value, dict) and not all(v is None or is_number(v) for v in values):
-            return f"{key} is {json.dumps(value)}, not a number or null"
-    return None
-
-
-def run_config(out_dir: str) -> dict | None:
-    """The model and training settings saved in out_dir/ckpt.pt, model keys first, and under "scheme" the
-    primitives the run's scheme used. Without a checkpoint (a run that diverged before its first one),
-    the settings its sweep.py command line gave (out_dir/run.json); None without either. A run stopped before
-    its first ckpt.pt has its settings in the stop signal's ckpt_last.pt."""
-    path = next((p for p in (os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_last.pt"))
-                 if os.path.exists(p)), None)
-    if path is None:
-        return command_line_config(out_dir)
-    import torch
-
-    from model import GPTConfig
-
-    # mmap: only the two small dicts are read, not the weights and optimizer state
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
-        raise PlotError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move it away to label "
-                        "the run by its run.json or folder name") from None
-    model_args = ckpt.get("model_args", {})
-    try:  # the scheme's primitives as the run used them (an override left at None takes the row's value)
-        scheme = GPTConfig(**model_args).scheme._asdict()
-    except (TypeError, ValueError):  # a checkpoint from another version of model.py
-        scheme = {}
-    return {**model_args, **ckpt.get("config", {}), "scheme": scheme}
-
-
-def command_line_config(out_dir: str) -> dict | None:
-    """The training and model settings of out_dir/run.json's argv (config file and flags), the model's
-    defaults for the rest but for the keys the task sets (TASK_MODEL_KEYS: missing); None if there is no
-    such file or it no longer parses. The config file is looked up from here, then from this file's
-    folder (sweep.py's cwd)."""
-    import contextlib
-    import io
-
-    import train
-    from model import GPTConfig
-
-    try:
-        with open(os.path.join(out_dir, "run.json")) as f:
-            argv = list(json.load(f)["argv"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if argv and not argv[0].startswith("--") and not os.path.exists(argv[0]):
-        argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), argv[0])
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # its "no effect" warnings were the run's to give
-            cfg, model_args = train.load_config(argv)
-        scheme = GPTConfig(**model_args).scheme._asdict()
-    except (train.ConfigError, OSError, TypeError, ValueError):
-        return None
-    # the model keys left at their defaults, but those the task fills in (the vocabulary, the vector sizes)
-    defaults = {k: v for k, v in asdict(GPTConfig()).items() if k not in TASK_MODEL_KEYS}
-    return {**defaults, **model_args, **vars(cfg), "scheme": scheme}
+class PlotError(RunFileError):
+    """Input that cannot be plotted (a folder without metrics, a metric no run logged): plot.py prints it, as it
+    prints a run's file that cannot be read (RunFileError), and exits with code 2."""
 
 
 def differing_flags(runs: dict[str, dict | None]) -> dict[str, str]:
@@ -166,12 +64,6 @@ def seedless(name: str) -> str:
     """A run's path without the seed in its last part: sweep.py's out_dirs of one grid point share it."""
     head, tail = os.path.split(os.path.normpath(name))
     return os.path.join(head, re.sub(r"(^|,)seed=\d+", "", tail))
-
-
-def diverged_at(records: list[dict]) -> int | None:
-    """The iteration of a run's "diverged" status line, if it has one."""
-    return next((r["iter"] for r in records if r.get("kind") == "status" and r.get("status") == "diverged"
-                 and isinstance(r.get("iter"), int)), None)  # a line without its iteration (edited by hand): skipped
 
 
 def curves(records: list[dict], metric: str, x: str, per_block: bool) -> dict[str, tuple[list, list]]:
@@ -361,6 +253,23 @@ def hidden_curves(curves: dict[str, dict[float, float]], tol: float = 2e-3) -> l
             and all(abs(curves[a][x] - curves[b][x]) < tol for x in shared)]
 
 
+def verdict_label(point: dict) -> str:
+    """A sweep point's comparison with the baseline as a second legend line (empty for the baseline): the claim
+    and δ, the word, Δ with its 95% interval, the mde and n, as the sweep's table gives them."""
+    if "verdict" not in point:
+        return ""
+    if point.get("claim") is None:  # no verdict (trained at no rate, another setup), or a summary without claims
+        return f"\n  {point['verdict']}"
+    claim, delta = point["claim"], point.get("delta") or 0
+    stated = {"none": "no claim", "on_par": f"on par within ±{delta:g}"}.get(claim, f"{claim} by δ={delta:g}")
+    word = point["verdict"].split(" (")[0]
+    numbers = [f"Δ {point['diff']:+.4f}" if point.get("diff") is not None else None,
+               "[{:+.4f}, {:+.4f}]".format(*point["ci"]) if point.get("ci") else None,
+               f"mde {point['mde']:.4f}" if point.get("mde") is not None else None,
+               "n {} vs {}".format(*point["n_seeds"]) if point.get("n_seeds") else None]
+    return f"\n  vs baseline, {stated}: {word}; " + " ".join(filter(None, numbers))
+
+
 def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = None, heading: str | None = None):
     """Final val loss against learning rate (log axis), one curve per grid point from its first-seed runs;
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
@@ -418,8 +327,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         best = point.get("best_lr")
         mean_std = point.get("val_loss_mean_std") or "-"
         ax.plot(xs, [curves[label][x] for x in xs], "o-", color=color, markersize=4,
-                label=literal(f"{label}: {mean_std} at lr {best}" if best is not None
-                              else f"{label}: every rate failed"))
+                label=literal((f"{label}: {mean_std} at lr {best}" if best is not None
+                               else f"{label}: every rate failed") + verdict_label(point)))
         if failed.get(label):  # each curve's x a little lower than the last, so that none hides another
             y = top - 0.012 * i * (high - low or 1.0)
             ax.plot(failed[label], [y] * len(failed[label]), "x", color=color, markersize=8, mew=2)
@@ -448,7 +357,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
                                   fixed("T{block_size}", "block_size", "icl_pairs")]))
     facts = [size, fixed("{data}", "dataset", "icl_pairs"), fixed("{max_iters} steps", "max_iters"),
              fixed("{optimizer}", "optimizer")] if setup else []
-    title = (", ".join(filter(None, facts)) + f"; {setup.get('seeds')} seeds at each best rate (squares: mean ± std)"
+    title = (", ".join(filter(None, facts))
+             + f"; {setup.get('seeds')} seeds held out at each best rate (squares: mean ± std)"
              if setup else "learning-rate sweep")
     hidden = hidden_curves(curves)
     if hidden:
@@ -500,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
     try:
         print(f"wrote {plot_from_args(args)}")
-    except PlotError as e:
+    except RunFileError as e:  # PlotError, or a run's file that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # --out in a folder that cannot be made or written

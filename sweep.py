@@ -7,25 +7,30 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --dry_run   # print the commands
     python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
-    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \\
-        --seeds 1,2,3 --baseline norm_scheme=pre --out_root out/lr      # each scheme at its own best rate
+    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post,geonorm --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \\
+        --select_seeds 0 --seeds 1,2,3,4,5 --baseline norm_scheme=pre --out_root out/lr \\
+        --row_claim norm_scheme=geonorm:lower:0.05 norm_scheme=post:none    # each scheme at its own best rate
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
 
-With --lr_grid, every grid point runs every rate on the first seed (on each of the first N with --lr_seeds N);
-the rate with the lowest final val loss (mean over those seeds) is its best (a diverged or crashed run ranks
-its rate last and stays in the table); the other seeds run at the best rate only. The table gives each
-point's best rate, mean ± std (n) at it, the rates that diverged, the learning-rate sensitivity, and a
-warning when the best rate is an edge of the grid or failed on a later seed. With --baseline, `verdict`
-(below) compares each point's per-seed losses at its best rate with the baseline's: Welch's t-test, or the
-paired t-test when both share their seeds, two-sided at p < 0.05, giving "reproduced", "contradicted" or
-"inconclusive at this scale" for the claim that the point's loss is lower (--claim higher: higher). A
-decisive word needs at least 3 seeds in each arm, a grid of at least 5 distinct rates and each arm's best
-rate inside it, not on an edge (a single rate is its own edge): otherwise the word is "inconclusive at this
-scale" and the table says why. An arm that trained at no rate gets "no verdict: trained at no rate". Two
-rates (muon, manifold_muon):
+With --lr_grid, every grid point runs every rate on the selection seeds (--select_seeds; default one seed not in
+--seeds); the rate with the lowest final val loss (mean over them) is its best (a diverged or crashed run ranks
+its rate last and stays in the table); the held-out --seeds run at the best rate only, and they alone enter the
+mean ± std and the verdicts: a seed that picked the rate never does (the winner's curse). The table
+gives each point's best rate, mean ± std (n) at it, the rates that diverged, the learning-rate sensitivity, and
+a warning when the best rate is an edge of the grid or failed on a held-out seed. With --baseline, `verdict`
+(below) compares each point's held-out losses at its best rate with the baseline's (paired by seed) for the
+claim the point's paper makes against the baseline: --claim lower|higher by --delta (the paper's effect size),
+on_par within ±--delta, or none (a description, not a verdict), and --row_claim POINT:CLAIM[:DELTA] for a point
+of its own. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word:
+reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would take),
+Holm-corrected over the table's rows. A decisive word needs 5 held-out seeds in each arm, a grid of at least 5
+distinct rates and each arm's best rate inside it, not on an edge (a single rate is its own edge): otherwise
+the word is "inconclusive at this scale" and the table says why. An arm that trained at no rate gets "no
+verdict: trained at no rate". Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
-of another setup says what differs in place of a verdict.
+of another setup says what differs in place of a verdict. Its rows are described, not judged, unless --claim or
+--row_claim states what their papers claim.
 
 Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
 grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
@@ -65,16 +70,17 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict
 
 import torch
+from scipy import stats
 
 import prepare_data
 import train
 from model import GPTConfig
-from plot import IGNORED_FLAGS, PlotError, diverged_at, load_metrics, run_config
 from run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
@@ -84,6 +90,7 @@ from run_files import (
     previous_run_files,
     write_atomically,
 )
+from runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
 from train_config import ConfigError, TrainConfig, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -95,7 +102,10 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
            "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
            "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
-           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}")}
+           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
+           "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
+           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}")}
+VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
 NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
               "(README, Comparing runs); --lr_grid runs each arm at its own best rate and gives the verdict rule's "
               "word")
@@ -601,91 +611,234 @@ def write_summary_files(out_root: str, title: str, text: str, data: dict) -> Non
 
 # ----------------------------------------------------------------------------- the verdict rule
 
-VERDICT_P = 0.05  # two-sided significance level of the verdict rule
-MIN_SEEDS = 3  # seeds per arm before the rule gives a decisive word (README, Comparing runs)
+ALPHA = 0.05  # two-sided level of every test; the intervals cover 1 - ALPHA = 95%
+POWER = 0.8  # the power at which the minimal detectable effect (mde) is detected
+MIN_SEEDS = 5  # held-out seeds per arm before a decisive word (README, Comparing runs)
 MIN_RATES = 5  # distinct rates of an --lr_grid before its table gives one (README, Comparing runs)
+MAX_SEEDS = 10**6  # seeds_needed beyond this is reported as None
 INCONCLUSIVE = "inconclusive at this scale"
-
-
-def _incomplete_beta(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
-    if x <= 0.0 or x >= 1.0:
-        return min(max(x, 0.0), 1.0)
-    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below the mean: use the symmetry
-        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    f = d
-    for m in range(1, 300):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < 1e-14:
-            break
-    return front * f
-
-
-def t_test_p(t: float, df: float) -> float:
-    """Two-sided p-value of Student's t statistic with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
-    if math.isinf(t):
-        return 0.0
-    return _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+CLAIMS = ("lower", "higher", "on_par", None)
+DECISIVE = ("reproduced", "smaller than claimed", "contradicted", "lower", "higher")  # words a test has to back
 
 
 def compare_arms(a: list[float], b: list[float], paired: bool = False) -> dict:
-    """Mean of a minus mean of b, its standard error, t, degrees of freedom and two-sided p.
+    """mean(a) - mean(b) (`diff`) with its standard error, degrees of freedom, 95% interval (`ci`), two-sided p of
+    no difference, minimal detectable effect (`mde`) and the spread it came from (`sd`), from finite values, two
+    or more per arm. Welch's t-test (unequal variances, Welch–Satterthwaite df); paired: the t-test of the
+    per-seed differences a[i] - b[i] (both lists in the same seed order), `sd` then theirs."""
+    rounding = 1e-12 * max(map(abs, [*a, *b]))  # a spread this small is the float rounding of equal values
 
-    Welch's t-test (unequal variances, Welch–Satterthwaite df); paired: the one-sample t-test of the
-    per-seed differences a[i] - b[i] (both lists in the same seed order)."""
+    def spread(xs: list[float]) -> float:
+        return statistics.stdev(xs) if statistics.stdev(xs) > rounding else 0.0
+
     if paired:
-        diffs = [x - y for x, y in zip(a, b, strict=True)]
-        n = len(diffs)
-        mean, se2, df = statistics.fmean(diffs), statistics.variance(diffs) / n, n - 1
+        d = [x - y for x, y in zip(a, b, strict=True)]
+        diff, sd = statistics.fmean(d), spread(d)
+        se, df = sd / math.sqrt(len(d)), len(d) - 1
     else:
-        va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-        mean, se2 = statistics.fmean(a) - statistics.fmean(b), va + vb
-        df = se2**2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se2 > 0 else len(a) + len(b) - 2
-    se = math.sqrt(se2)
-    t = mean / se if se > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
-    return {"diff": mean, "se": se, "t": t, "df": df, "p": t_test_p(t, df)}
+        sd = spread(a), spread(b)
+        va, vb = sd[0] ** 2 / len(a), sd[1] ** 2 / len(b)
+        diff, se = statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb)
+        df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
+    with warnings.catch_warnings():  # scipy's warning of precision loss in an arm without spread, 0 here
+        warnings.simplefilter("ignore", RuntimeWarning)
+        test = stats.ttest_rel(a, b) if paired else stats.ttest_ind(a, b, equal_var=False)
+    p = float(test.pvalue) if se > 0 else float(diff == 0)  # no spread at all: any difference is certain
+    half = float(stats.t.ppf(1 - ALPHA / 2, df)) * se
+    return {"diff": diff, "se": se, "df": df, "ci": (diff - half, diff + half), "p": p, "mde": mde(se, df), "sd": sd}
 
 
-def verdict(claimed: list[float], other: list[float], claim: str = "lower", paired: bool = False) -> dict:
-    """The one verdict rule: does `claimed` have a lower (claim="lower") or higher final loss than `other`?
+def mde(se: float, df: float, power: float = POWER) -> float:
+    """The smallest true difference a two-sided t-test at ALPHA detects with probability `power`, for a
+    difference with standard error se on df degrees of freedom: (t_{1-α/2} + t_power) se."""
+    return float(stats.t.ppf(1 - ALPHA / 2, df) + stats.t.ppf(power, df)) * se
 
-    Each list holds one final loss per seed; a diverged run counts as +inf. Fewer than MIN_SEEDS seeds in
-    an arm: "inconclusive at this scale", whatever the losses (README, Comparing runs: at least three seeds). Otherwise,
-    with every loss finite: `compare_arms` (Welch's t-test, or paired by seed), then "reproduced" if
-    p < VERDICT_P and the difference has the claimed sign, "contradicted" if p < VERDICT_P against it, else
-    "inconclusive at this scale". With divergences: when one arm diverged on every seed and the other on
-    none, the arm that trained wins; any other mix is inconclusive. `reason` says why a word is inconclusive."""
-    if claim not in ("lower", "higher"):
-        raise ValueError(f"claim={claim!r}: choose lower or higher")
-    sign = -1.0 if claim == "lower" else 1.0  # the claimed sign of mean(claimed) - mean(other)
-    bad_a, bad_b = (sum(not math.isfinite(x) for x in arm) for arm in (claimed, other))
-    result = {"n": (len(claimed), len(other)), "diverged": (bad_a, bad_b), "paired": paired,
-              "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "p": None, "reason": None}
-    if not (bad_a or bad_b) and min(len(claimed), len(other)) >= 2:
-        result.update(compare_arms(claimed, other, paired))  # shown even where too few seeds decide nothing
-    if min(len(claimed), len(other)) < MIN_SEEDS:
-        return {**result, "verdict": INCONCLUSIVE,
-                "reason": f"{len(claimed)} and {len(other)} seeds: the rule needs {MIN_SEEDS} in each arm"}
-    if bad_a or bad_b:
-        word, reason = INCONCLUSIVE, "diverged on some seeds and not on others"
-        if bad_a == len(claimed) and bad_b == 0:  # only the claimed arm diverged, on every seed: its loss is higher
-            word, reason = "reproduced" if claim == "higher" else "contradicted", None
-        elif bad_b == len(other) and bad_a == 0:
-            word, reason = "reproduced" if claim == "lower" else "contradicted", None
-        return {**result, "verdict": word, "reason": reason}
-    if result["p"] < VERDICT_P:
-        return {**result, "verdict": "reproduced" if result["diff"] * sign > 0 else "contradicted"}
-    return {**result, "verdict": INCONCLUSIVE, "reason": f"p >= {VERDICT_P}"}
+
+def seeds_for(effect: float, sd: float | tuple[float, float], paired: bool, power: float = POWER) -> int | None:
+    """Seeds per arm (at least MIN_SEEDS) whose mde reaches `effect`, at the spread `sd` (of the per-seed
+    differences if paired, else of each arm); None for no effect or beyond MAX_SEEDS."""
+    if not effect > 0:
+        return None
+    va, vb = (sd**2, 0.0) if paired else (sd[0] ** 2, sd[1] ** 2)
+    if va + vb == 0:
+        return MIN_SEEDS
+
+    def reach(n: int) -> float:
+        df = n - 1 if paired or not (va and vb) else (va + vb) ** 2 / ((va**2 + vb**2) / (n - 1))
+        return mde(math.sqrt((va + vb) / n), df, power)
+
+    z = float(stats.norm.ppf(1 - ALPHA / 2) + stats.norm.ppf(power))  # the normal approximation: a lower bound
+    n = max(2, math.floor((z / effect) ** 2 * (va + vb)))
+    while n <= MAX_SEEDS and reach(n) > effect:
+        n += 1
+    return max(n, MIN_SEEDS) if n <= MAX_SEEDS else None
+
+
+def seeds_for_divergence(n: tuple[int, int], k: tuple[int, int]) -> int | None:
+    """Seeds per arm (at least MIN_SEEDS) at which Fisher's exact test tells the observed divergence rates
+    apart at ALPHA, were they to hold; None if they are equal or it takes more than 1000."""
+    rates = (k[0] / n[0], k[1] / n[1])
+    for m in range(MIN_SEEDS, 1001):
+        ka, kb = (round(r * m) for r in rates)
+        if ka != kb and stats.fisher_exact([[ka, m - ka], [kb, m - kb]]).pvalue < ALPHA:
+            return m
+    return None
+
+
+def interval_word(lo: float, hi: float, claim: str | None, delta: float) -> tuple[str, list[float], str | None]:
+    """The word for an interval [lo, hi] of mean(a) - mean(b), the values of the difference it excludes to say
+    so (the nulls its p-value tests) and why, where the word needs saying why."""
+    if claim is None:
+        return ("higher" if lo > 0 else "lower" if hi < 0 else "not distinguishable"), [0.0], None
+    if claim == "on_par":
+        if -delta < lo and hi < delta:
+            return "reproduced", [delta, -delta], f"the interval lies inside ±{delta:g}"
+        if lo > delta or hi < -delta:
+            return "contradicted", [delta if lo > delta else -delta], f"the interval lies outside ±{delta:g}"
+        return INCONCLUSIVE, [delta, -delta], f"the interval reaches past ±{delta:g}"
+    s = -1.0 if claim == "lower" else 1.0  # the claimed sign of mean(a) - mean(b)
+    low, high = sorted((s * lo, s * hi))  # the interval of the claimed effect
+    if low > 0 and high < delta:
+        return "smaller than claimed", [0.0, s * delta], f"the interval lies below δ = {delta:g}"
+    if low > 0:
+        return "reproduced", [0.0], None
+    if high < 0:
+        return "contradicted", [0.0], "the interval lies on the other side of 0"
+    if high < delta:
+        return "contradicted", [s * delta], f"the interval contains 0 and lies below δ = {delta:g}"
+    return INCONCLUSIVE, [0.0], "the interval contains 0" + (f" and reaches δ = {delta:g}" if delta else "")
+
+
+def p_at(v: dict, null: float) -> float:
+    """Two-sided p of the t-test of mean(a) - mean(b) = null: below ALPHA exactly where the interval excludes null."""
+    if v["se"] == 0:
+        return float(v["diff"] == null)
+    return float(2 * stats.t.sf(abs(v["diff"] - null) / v["se"], v["df"]))
+
+
+def verdict(a: list[float], b: list[float], claim: str | None, delta: float = 0.0, paired: bool = False) -> dict:
+    """The one comparison rule (README, Comparing runs): what the per-seed values of arm a say against those of
+    arm b about a paper's claim.
+
+    a, b: one value per held-out seed, of a metric where lower is better (a final loss); a non-finite value is a
+    run that diverged (or crashed): the worst outcome, an infinite loss. For a metric where higher is better, pass
+    its negation. paired: both lists in the same seed order, compared seed by seed.
+
+    claim (Δ = mean(a) - mean(b), over the runs that finished):
+      "lower"  - the paper says a's loss is lower than b's by δ = delta >= 0 (its effect size, in the metric's
+                 units): Δ = -δ. "higher": Δ = +δ.
+                 reproduced: the 95% interval of Δ excludes 0 on the claimed side and does not lie entirely below
+                 δ in magnitude; smaller than claimed: it excludes 0 on the claimed side but lies below δ;
+                 contradicted: it lies entirely on the other side of 0, or contains 0 and lies below δ;
+                 otherwise inconclusive at this scale, with `seeds_needed`: the seeds per arm whose mde
+                 reaches δ (the observed |Δ| when δ is 0).
+      "on_par" - a and b are equivalent within the margin δ > 0 (TOST read off the 95% interval, each side at
+                 2.5%): reproduced when the interval lies inside ±δ, contradicted when it lies entirely outside,
+                 otherwise inconclusive (seeds_needed: where the interval's reach, at 80% power with no true
+                 difference, fits inside ±δ).
+      None     - no claim against b: a description only, "lower", "higher" (the interval excludes 0) or "not
+                 distinguishable", never a verdict word.
+    The interval is paired t (paired) or Welch's; `mde` is the smallest Δ these seeds detect with 80% power at
+    α = 0.05, two-sided; `p` the t-test's p of no difference.
+
+    Divergence is decided first: k of n runs per arm (`diverged`), compared by Fisher's exact test at α = 0.05
+    (`p_diverged`; 3 of 3 against 0 of 3 is p = 0.10, nothing; 5 of 5 against 0 of 5 is p = 0.008). Where it
+    tells the arms apart, the arm that diverged more often has the higher loss, by more than any δ, and that is
+    the word. Otherwise the losses are compared over the runs that finished (paired: the seeds where both
+    did), and the divergence counts stand beside them in `reason`.
+
+    A decisive word needs MIN_SEEDS (5) held-out seeds in each arm; with fewer it is inconclusive (a description
+    stays). `p_word` is the p-value the word rests on (the largest of the tests it needs): what Holm's correction
+    (`correct_family`) adjusts within a family of comparisons."""
+    if claim not in CLAIMS:
+        raise ValueError(f"claim={claim!r}: choose lower, higher, on_par or None")
+    if not (isinstance(delta, (int, float)) and math.isfinite(delta) and delta >= 0):
+        raise ValueError(f"delta={delta!r}: the claimed effect is a finite number >= 0 in the metric's units")
+    if claim == "on_par" and delta == 0:
+        raise ValueError("claim='on_par' needs its margin: a delta > 0")
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if paired and len(a) != len(b):
+        raise ValueError(f"paired arms hold one value per seed each: {len(a)} and {len(b)} values")
+    n, k = (len(a), len(b)), (sum(not math.isfinite(x) for x in a), sum(not math.isfinite(x) for x in b))
+    v = {"claim": claim, "delta": float(delta), "n": n, "diverged": k, "paired": paired,
+         "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "df": None, "ci": None, "p": None,
+         "mde": None, "sd": None, "p_diverged": None, "p_word": None, "seeds_needed": None, "reason": None}
+    if paired:
+        pairs = [(x, y) for x, y in zip(a, b, strict=True) if math.isfinite(x) and math.isfinite(y)]
+        finished = [x for x, _ in pairs], [y for _, y in pairs]
+    else:
+        finished = [x for x in a if math.isfinite(x)], [y for y in b if math.isfinite(y)]
+    if min(map(len, finished)) >= 2:
+        v.update(compare_arms(*finished, paired))
+    notes = []
+    if any(k):
+        v["p_diverged"] = float(stats.fisher_exact([[k[0], n[0] - k[0]], [k[1], n[1] - k[1]]]).pvalue)
+        notes.append(f"diverged on {k[0]} of {n[0]} seeds against {k[1]} of {n[1]} (Fisher's exact p = "
+                     f"{v['p_diverged']:.2g})")
+    if v["p_diverged"] is not None and v["p_diverged"] < ALPHA:  # the arm that diverged more often: infinite loss
+        side = math.inf if k[0] / n[0] > k[1] / n[1] else -math.inf
+        word, _, _ = interval_word(side, side, claim, delta)
+        v.update(test="Fisher's exact", p_word=v["p_diverged"])
+    elif v["diff"] is None:
+        word = "not distinguishable" if claim is None else INCONCLUSIVE
+        notes.append("fewer than 2 finished runs in an arm" + (" (as pairs)" if paired else "")
+                     + ": no spread to compare losses by")
+    else:
+        word, nulls, why = interval_word(*v["ci"], claim, delta)
+        v["p_word"] = max(p_at(v, null) for null in nulls)
+        notes = [*([why] if why else []), *(["losses of the finished runs"] if any(k) else []), *notes]
+    if claim is not None and word in DECISIVE and min(n) < MIN_SEEDS:
+        word = INCONCLUSIVE
+        notes.append(f"{n[0]} and {n[1]} seeds: a verdict needs {MIN_SEEDS} held-out seeds in each arm")
+    v.update(verdict=word, reason="; ".join(notes) or None)
+    if word == INCONCLUSIVE:
+        v["seeds_needed"] = seeds_needed(v)
+    return v
+
+
+def seeds_needed(v: dict) -> int | None:
+    """For an inconclusive verdict: the seeds per arm its spread says would detect δ (the observed |Δ| when δ is
+    0; for "on_par", fit the interval inside ±δ), or tell its divergence rates apart; None when nothing says."""
+    if v["sd"] is None:
+        return seeds_for_divergence(v["n"], v["diverged"]) if any(v["diverged"]) else None
+    if v["claim"] == "on_par":
+        return seeds_for(v["delta"], v["sd"], v["paired"], power=(1 + POWER) / 2)
+    return seeds_for(v["delta"] or abs(v["diff"]), v["sd"], v["paired"])
+
+
+def holm_adjusted(ps: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values of one family of tests, in the order given: the k-th smallest p times
+    (m - k + 1), never below the one before it, at most 1."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [1.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def holm(ps: list[float], alpha: float = ALPHA) -> list[bool]:
+    """Which tests of one family (one paper's comparisons; one table's rows) Holm's correction rejects, keeping
+    the chance of any false rejection in the family at most alpha."""
+    return [p < alpha for p in holm_adjusted(ps)]
+
+
+def correct_family(verdicts: list[dict | None], alpha: float = ALPHA) -> list[dict | None]:
+    """The verdicts of one family, each with its Holm-adjusted p (`p_holm`, of `p_word`) and the family's size;
+    a decisive word whose adjusted p is not below alpha becomes inconclusive at this scale (a description: not
+    distinguishable). Entries without a test (None, or no p_word) stay as they are but for counting nothing."""
+    tested = [i for i, v in enumerate(verdicts) if v is not None and v.get("p_word") is not None]
+    out = list(verdicts)
+    for i, p in zip(tested, holm_adjusted([verdicts[i]["p_word"] for i in tested]), strict=True):
+        v = {**verdicts[i], "p_holm": p, "family": len(tested)}
+        if v["verdict"] in DECISIVE and p >= alpha:
+            why = f"not significant after Holm's correction over {len(tested)} comparisons"
+            v.update(verdict=INCONCLUSIVE if v["claim"] is not None else "not distinguishable",
+                     reason="; ".join(filter(None, [v["reason"], why])))
+            if v["claim"] is not None:
+                v["seeds_needed"] = seeds_needed(v)
+        out[i] = v
+    return out
 
 
 # ----------------------------------------------------------------------------- learning-rate sweeps
@@ -735,7 +888,7 @@ def matches(row: dict, point: dict) -> bool:
 
 
 def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
-    """The runs of one grid point on its first seed: the seed that ran the most rates."""
+    """The runs of one grid point on its first selection seed: the seed that ran the most rates."""
     rates: dict[int, set] = {}
     for r in rows:
         rates.setdefault(r["seed"], set()).add(float(r[lr_key]))
@@ -761,9 +914,9 @@ def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = Non
 
 
 def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
-    """The best rate of one grid point from its runs at every rate (on the first seed, or on each of the first
-    --lr_seeds): the lowest mean final val loss over those seeds, a rate with a diverged or crashed run ranking
-    last; the diverged and crashed rates, and the edge warning."""
+    """The best rate of one grid point from its runs at every rate (on each selection seed): the lowest mean final
+    val loss over those seeds, a rate with a diverged or crashed run ranking last; the diverged and crashed
+    rates, and the edge warning."""
     by_rate: dict[str, list[float]] = {}
     for r in rows:
         by_rate.setdefault(r[lr_key], []).append(final_loss(r))
@@ -785,27 +938,27 @@ def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
                  seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
-                 baseline: dict | None = None, claim: str = "lower", dry_run: bool = False,
-                 extra: list[str] | None = None, lr_seeds: int = 1) -> list[dict]:
-    """Each grid point at its own best learning rate: every rate on the first `lr_seeds` seeds, the best kept
-    (lowest mean final val loss over them; a diverged run ranks its rate last), the other seeds at that rate
-    only. Returns one row per grid point."""
+                 baseline: dict | None = None, claims: list | None = None, dry_run: bool = False,
+                 extra: list[str] | None = None, select_seeds: list[int] | None = None) -> list[dict]:
+    """Each grid point at its own best learning rate, judged on seeds that did not pick it: every rate
+    runs on the selection seeds (`select_seeds`; default: one seed not in `seeds`, default_select_seed), the best
+    is kept (lowest mean final val loss over them; a diverged run ranks its rate last), and the held-out `seeds`
+    run at that rate only. The mean ± std and the verdicts against `baseline` (each point's claim and δ from
+    `claims`, see claim_for) use the held-out seeds alone. Returns one row per grid point."""
     fixed = dict(fixed or {})
     if not str(fixed.get("seed", 0)).isdigit():
         raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
     seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
-    if not 1 <= lr_seeds <= len(seeds):
-        raise SweepError(f"--lr_seeds {lr_seeds}: give 1 to the number of --seeds ({len(seeds)})")
+    select = select_seeds or [default_select_seed(seeds)]
+    check_held_out(select, seeds)
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
     workers, threads = parallelism(jobs, threads_per_run)
     if len(lr_values) < MIN_RATES and baseline:
-        print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so every one will be "
-              f"'{INCONCLUSIVE}'")
-    first = plan_runs(config, {**grid, lr_key: lr_values}, seeds[:lr_seeds], fixed, out_root, rerun,
-                      (lr_key, ratios))
+        print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
+    first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
-    print(f"{len(first)} runs over {len(lr_values)} rates on seeds {seeds[:lr_seeds]}, {len(pending)} to run, "
-          f"{workers} at a time with OMP_NUM_THREADS={threads}; then seeds {seeds[lr_seeds:]} at each point's "
+    print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
+          f"{workers} at a time with OMP_NUM_THREADS={threads}; then held-out seeds {seeds} at each point's "
           "best rate")
     if dry_run:
         for job in pending:
@@ -818,19 +971,19 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     for point in points:
         rows = [r for r in first_rows if matches(r, point)]
         choice.append({**point, **pick_best(rows, lr_key, lr_values)})
-    later = seeds[lr_seeds:]
-    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None and later
-            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, later,
+    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None
+            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
                                  fixed, out_root, rerun, (lr_key, ratios))]
     execute([job for job in rest if job["state"] != "finished"], workers, threads)
     rest_rows = summarize_jobs(rest, extra)
-    table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claim)
+    table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claims, select)
     write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "") + f", seeds {seeds}"
-                     + (f", rates picked on the mean over seeds {seeds[:lr_seeds]}" if lr_seeds > 1 else ""),
-                     {"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
-                      "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})
+                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
+                     + f", rates picked on seeds {select}, held-out seeds {seeds}",
+                     {"select_seeds": select, "held_out_seeds": seeds,
+                      **({"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
+                          "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})})
     return table
 
 
@@ -854,8 +1007,8 @@ def run_settings(argv: list[str]) -> dict:
 
 
 def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
-    """The edge warning, and a warning when the best rate (picked on the first seed, or the first --lr_seeds)
-    diverged or crashed on a later seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
+    """The edge warning, and a warning when the best rate (picked on the selection seeds) diverged or crashed on
+    a held-out seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
     failed = sorted(int(s) for s, x in losses.items() if not math.isfinite(x))
     fragile = f"diverged or crashed at its best rate on seed {','.join(map(str, failed))}" if failed else None
     return "; ".join(w for w in (edge, fragile) if w) or None
@@ -877,55 +1030,142 @@ def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> 
     return None
 
 
-def lr_verdict(losses: dict, base_losses: dict, claim: str, shortfalls: list[str | None]) -> dict:
-    """The verdict rule on two points' per-seed losses at their best rates (paired when they share their
-    seeds); a decisive word becomes "inconclusive at this scale" when either grid falls short."""
+def lr_verdict(losses: dict, base_losses: dict, claim: str | None, delta: float, shortfalls: list[str | None]) -> dict:
+    """The verdict rule on two points' per-seed losses at their best rates, over held-out seeds (paired when they
+    share their seeds); a decisive word becomes "inconclusive at this scale" when either grid falls short (a
+    description stays, the shortfall said beside it)."""
     seeds = sorted(losses)
     paired = seeds == sorted(base_losses)
     v = verdict([losses[s] for s in seeds], [base_losses[s] for s in (seeds if paired else sorted(base_losses))],
-                claim, paired)
+                claim, delta, paired)
     reason = "; ".join(dict.fromkeys(r for r in shortfalls if r))
     if reason:
-        v = {**v, "verdict": INCONCLUSIVE, "reason": "; ".join(r for r in (v["reason"], reason) if r)}
+        downgrade = claim is not None and v["verdict"] in DECISIVE
+        v = {**v, "verdict": INCONCLUSIVE if downgrade else v["verdict"],
+             "reason": "; ".join(r for r in (v["reason"], reason) if r)}
+        if downgrade:
+            v["seeds_needed"] = seeds_needed(v)
     return v
 
 
 def verdict_text(v: dict) -> str:
-    """A verdict as the tables print it: the word, then p and the reason it is inconclusive, if any."""
-    notes = [n for n in (f"p={v['p']:.3g}" if v["p"] is not None else None, v["reason"]) if n]
+    """A verdict as the tables print it: the word, then why, the seeds an inconclusive one would take, and its p
+    (Holm-adjusted, with the family's size, where the table holds more than one test)."""
+    notes = [v["reason"]] if v.get("reason") else []
+    if v["verdict"] == INCONCLUSIVE and v["claim"] is not None:
+        target = "fit the interval inside ±δ" if v["claim"] == "on_par" else \
+            "detect δ" if v["delta"] else "detect the observed Δ"
+        notes.append(f"about {v['seeds_needed']} seeds per arm would {target}" if v["seeds_needed"] else
+                     f"no number of seeds found to {target}")
+    if v.get("family", 1) > 1:
+        notes.append(f"Holm-adjusted p={v['p_holm']:.2g} over {v['family']}")
+    elif v.get("p_word") is not None:
+        notes.append(f"p={v['p_word']:.2g}")
     return v["verdict"] + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def compared(point: dict, base: dict, claim: str) -> dict:
-    """The verdict and Δ columns of one point against the baseline point: each a row of an lr table (best_lr,
-    seed_losses at it, grid_shortfall). A point that trained at no rate gets no word, and says so."""
+def check_held_out(select_seeds: list[int], seeds: list[int]) -> None:
+    """Refuse a seed that would both pick the rate and enter the verdict."""
+    if common := sorted(set(select_seeds) & set(seeds)):
+        raise SweepError(f"seed {','.join(map(str, common))} is in both --select_seeds and --seeds: a seed that "
+                         "picks the rate never enters a verdict; give the two lists no seed in common")
+
+
+def default_select_seed(seeds: list[int]) -> int:
+    """The selection seed when --select_seeds is not given: the smallest whole number not among the held-out
+    seeds (0 beside --seeds 1,2,3,4,5)."""
+    return next(s for s in itertools.count() if s not in seeds)
+
+
+def selection_seeds(summary: dict, runs: list[dict]) -> set[int]:
+    """The seeds that picked a point's rate, from its summary: those it names (select_seeds), or, in a summary
+    written before it named them, the seeds of the point's `runs` that ran more than one rate."""
+    if "select_seeds" in summary:
+        return set(summary["select_seeds"])
+    rates: dict[int, set] = {}
+    for r in runs:
+        rates.setdefault(r["seed"], set()).add(float(r[summary["lr_key"]]))
+    return {s for s, ran in rates.items() if len(ran) > 1}
+
+
+def parse_claim(text: str, flag: str = "--row_claim") -> tuple[dict, str | None, float]:
+    """(point, claim, δ) from POINT:CLAIM or POINT:CLAIM:DELTA, POINT as key=value[,key=value], e.g.
+    norm_scheme=geonorm:lower:0.05 or norm_scheme=post:none."""
+    head, *rest = text.split(":")
+    if not head or not 1 <= len(rest) <= 2:
+        raise SweepError(f"cannot read {flag} {text!r}; write POINT:CLAIM or POINT:CLAIM:DELTA, e.g. "
+                         "norm_scheme=geonorm:lower:0.05 or norm_scheme=post:none")
+    return (parse_assignments(head.split(","), flag), *checked_claim(rest[0], rest[1] if rest[1:] else None, flag))
+
+
+def checked_claim(claim: str, delta: str | None, flag: str = "--claim") -> tuple[str | None, float]:
+    """A claim and its δ as the command line gives them, checked: claim one of lower, higher, on_par, none; δ a
+    number >= 0 (on_par: > 0, its margin; none: no δ)."""
+    if claim not in ("lower", "higher", "on_par", "none"):
+        raise SweepError(f"{flag}: claim {claim!r}; choose lower, higher, on_par or none")
+    if delta is not None and not (is_number(delta) and math.isfinite(float(delta)) and float(delta) >= 0):
+        raise SweepError(f"{flag}: δ {delta!r} is the paper's effect size in nats; give a number >= 0")
+    if claim == "on_par" and not (delta and float(delta) > 0):
+        raise SweepError(f"{flag}: on_par needs its margin, a δ > 0: on par within ±δ of the baseline")
+    if claim == "none" and delta is not None and float(delta) != 0:
+        raise SweepError(f"{flag}: claim none tests no effect, so δ {delta} says nothing; leave it out")
+    return (None if claim == "none" else claim), float(delta or 0)
+
+
+def claim_for(point: dict, claims: list | None) -> tuple[str | None, float]:
+    """The claim and δ a point is tested for: the last of `claims`, [(point values, claim, δ), ...] (the values {}
+    match every point), whose values the point has; (None, 0.0), a description, when none does."""
+    return next(((claim, delta) for values, claim, delta in reversed(claims or []) if matches(point, values)),
+                (None, 0.0))
+
+
+def verdict_columns(v: dict) -> dict:
+    """The columns a table prints of one comparison: the verdict (the word and why), claim, δ, Δ with its 95%
+    interval, mde, n (seeds per arm), p, and what an inconclusive one would take."""
+    if "claim" not in v:  # no verdict: trained at no rate, or another setup
+        return {"verdict": v["verdict"]}
+    return {"verdict": verdict_text(v), "claim": v["claim"] or "none", "delta": v["delta"] if v["claim"] else None,
+            "diff": v["diff"], "ci": v["ci"], "mde": v["mde"], "n_seeds": v["n"], "p": v["p"],
+            "p_holm": v.get("p_holm"), "seeds_needed": v["seeds_needed"], "diverged_runs": v["diverged"]}
+
+
+def add_verdicts(tests: list[tuple[dict, dict]]) -> None:
+    """Fill each (row, comparison) of one table with the comparison's columns, Holm-corrected over the table."""
+    corrected = correct_family([v for _, v in tests])
+    for (row, _), v in zip(tests, corrected, strict=True):
+        row.update(verdict_columns(v))
+
+
+def compared(point: dict, base: dict, claim: str | None, delta: float = 0.0) -> dict:
+    """The verdict of one point against the baseline point (each a row of an lr table: best_lr, seed_losses at it
+    over held-out seeds, grid_shortfall), or {"verdict": "no verdict: ..."} for a point that trained at no rate."""
     if point["best_lr"] is None:
-        return {"verdict": "no verdict: trained at no rate (every rate diverged or crashed on the first seed)"}
+        return {"verdict": "no verdict: trained at no rate (every rate diverged or crashed on the selection seeds)"}
     if base["best_lr"] is None:
         return {"verdict": "no verdict: the baseline trained at no rate"}
-    v = lr_verdict(point["seed_losses"], base["seed_losses"], claim, [point["grid_shortfall"], base["grid_shortfall"]])
-    return {"verdict": verdict_text(v), "diff": v["diff"]}
+    return lr_verdict(point["seed_losses"], base["seed_losses"], claim, delta,
+                      [point["grid_shortfall"], base["grid_shortfall"]])
 
 
 def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
-             claim: str) -> list[dict]:
-    """One row per grid point: best rate, mean ± std (n) of the final val loss at it, and, given a
-    baseline point, the verdict rule's word for "this point's loss is `claim` than the baseline's"
-    (`lr_verdict`: inconclusive when a grid is too short or a best rate on its edge). A point that trained
-    at no rate says so in place of a verdict."""
+             claims: list | None = None, select_seeds: list[int] = ()) -> list[dict]:
+    """One row per grid point: best rate, mean ± std (n) of the final val loss at it over the held-out seeds
+    (every seed but `select_seeds`), and, given a baseline point, the verdict rule against it for each point's
+    claim and δ (claim_for(point, claims); lr_verdict: inconclusive when a grid is too short or a best rate on its
+    edge), Holm-corrected over the table. A point that trained at no rate says so in place of a verdict."""
     def runs_of(c: dict) -> list[dict]:
         return [r for r in rows if matches(r, {k: c[k] for k in keys})]
 
     def seeds_at_best(c: dict) -> dict[int, float]:
         return {r["seed"]: final_loss(r) for r in runs_of(c) if c["best_lr"] is not None
-                and str(r[lr_key]) == str(c["best_lr"])}
+                and str(r[lr_key]) == str(c["best_lr"]) and r["seed"] not in select_seeds}
 
     def shortfall(c: dict) -> str | None:
         return grid_shortfall(first_seed_runs(runs_of(c), lr_key), lr_key, c["best_lr"])
 
     base = next((c for c in choice if baseline and matches(c, baseline)), None)
     base_losses = seeds_at_best(base) if base else {}
-    table = []
+    table, tests = [], []
     for c in choice:
         losses = seeds_at_best(c)
         finite = [x for x in losses.values() if math.isfinite(x)]
@@ -937,9 +1177,10 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
                "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
                "grid_shortfall": shortfall(c)}
         if base is not None and c is not base:
-            row.update(compared(row, {"best_lr": base["best_lr"], "seed_losses": base_losses,
-                                      "grid_shortfall": shortfall(base)}, claim))
+            tests.append((row, compared(row, {"best_lr": base["best_lr"], "seed_losses": base_losses,
+                                              "grid_shortfall": shortfall(base)}, *claim_for(row, claims))))
         table.append(row)
+    add_verdicts(tests)
     return table
 
 
@@ -950,7 +1191,7 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
     point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
-                     *(["verdict"] if any("verdict" in r for r in table) else []), "edge_warning"]
+                     *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
     text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
@@ -976,14 +1217,16 @@ def steps_to_target(out_dir: str, target: float) -> int | None:
 
 
 def best_lr_runs(root: str, point: dict) -> dict[int, str]:
-    """{seed: out_dir} of one --lr_grid sweep point's runs at its best rate (from root/summary.json)."""
+    """{seed: out_dir} of one --lr_grid sweep point's runs at its best rate on the held-out seeds (from
+    root/summary.json): a selection seed's run, which picked the rate, is left out."""
     summary = read_json(os.path.join(root, "summary.json"))
     keys, lr_key = summary.get("keys", []), summary.get("lr_key", "learning_rate")
     best = [p["best_lr"] for p in summary.get("lr_points", []) if all(str(p[k]) == str(point.get(k)) for k in keys)]
     if not best:
         raise SweepError(f"{point} is no point of the --lr_grid sweep in {root}")
-    match = {**point, lr_key: best[0]}
-    return {r["seed"]: r["out_dir"] for r in summary["runs"] if matches(r, match)}
+    runs = [r for r in summary["runs"] if matches(r, point)]
+    picked = selection_seeds(summary, runs)
+    return {r["seed"]: r["out_dir"] for r in runs if matches(r, {lr_key: best[0]}) and r["seed"] not in picked}
 
 
 LR_POINT_FIELDS = ("best_lr", "seed_losses", "val_loss_mean")
@@ -1021,14 +1264,15 @@ def read_lr_summary(root: str) -> dict:
 
 def summary_mismatch(root: str, summary: dict) -> str | None:
     """Where an lr summary disagrees with itself or its runs, or None: each point's seed_losses must be its runs'
-    final losses at its best rate, and each run's final val loss what its metrics.jsonl ends with. A run is
-    looked for in root under its folder's name (the sweep may have been moved since), and checked if it is
-    there: a summary may travel without its runs."""
+    final losses at its best rate (on the held-out seeds, where the summary names its selection seeds), and each
+    run's final val loss what its metrics.jsonl ends with. A run is looked for in root under its folder's name
+    (the sweep may have been moved since), and checked if it is there: a summary may travel without its runs."""
     keys, lr_key = summary["keys"], summary["lr_key"]
+    picked = set(summary.get("select_seeds", []))
     for p in summary["lr_points"]:
         at_best = {**{k: p[k] for k in keys}, lr_key: p["best_lr"]}
         runs = {str(r["seed"]): final_loss(r) for r in summary["runs"]
-                if p["best_lr"] is not None and matches(r, at_best)}
+                if p["best_lr"] is not None and matches(r, at_best) and r["seed"] not in picked}
         stored = {str(s): math.inf if v is None else v for s, v in p["seed_losses"].items()}
         if stored != runs:
             return f"point {at_best}: seed_losses {p['seed_losses']}, its runs' final losses {runs}"
@@ -1063,9 +1307,11 @@ def summary_type_error(summary: dict) -> str | None:
         if not (isinstance(r["seed"], int) and rate(r[lr_key]) and number(r["val_loss"]) and number(r.get("wall_s"))
                 and all(r[k] is None or isinstance(r[k], int) for k in ("diverged_at", "exit_code"))):
             return f"the run {r.get('out_dir', r)} has a seed, {lr_key}, loss, time or exit code of the wrong type"
-    for key, kind in (("setup", dict), ("settings", dict), ("swept", list)):
+    for key, kind in (("setup", dict), ("settings", dict), ("swept", list), ("select_seeds", list)):
         if not isinstance(summary.get(key, kind()), kind):
             return f"{key} is not a {kind.__name__}"
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in summary.get("select_seeds", [])):
+        return f"select_seeds {summary['select_seeds']!r} is not a list of seeds"
     return None
 
 
@@ -1080,11 +1326,13 @@ def setup_difference(summary: dict, base: dict) -> str | None:
     return ", ".join(differ) or None
 
 
-def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lower") -> list[dict]:
+def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | None = None) -> list[dict]:
     """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
     its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point (the
-    first root's, if several match; `compared`, as in each sweep's own table). A point of a sweep whose
-    recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
+    first root's, if several match; `compared`, as in each sweep's own table) for each point's claim and δ
+    (claim_for(point, claims); no claims: a description of each row, not a verdict), Holm-corrected over the
+    table, on held-out seeds only (a seed that picked a rate never counts, see selection_seeds). A point of a
+    sweep whose recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
     differs. Points with the same settings in two roots are told apart by the root."""
     points = []
     for root in roots:
@@ -1094,9 +1342,10 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
             runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
             label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
             first = first_seed_runs(runs, lr_key)
+            picked = selection_seeds(summary, runs)
             points.append({**point, "label": label, "root": root, "summary": summary, "lr_key": lr_key,
-                           "seed_losses": {int(s): v for s, v in point["seed_losses"].items()}, "first_runs": first,
-                           "grid_shortfall": grid_shortfall(first, lr_key, point["best_lr"]),
+                           "seed_losses": {int(s): v for s, v in point["seed_losses"].items() if int(s) not in picked},
+                           "first_runs": first, "grid_shortfall": grid_shortfall(first, lr_key, point["best_lr"]),
                            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
     # the sensitivity depends on the grid: every arm's over the rates all of them ran
     shared = set.intersection(*({float(r[p["lr_key"]]) for r in p["first_runs"]} for p in points)) if points else set()
@@ -1108,7 +1357,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
     base = next((p for p in points if baseline and matches(p, baseline)), None)
     if baseline and base is None:
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
-    table = []
+    table, tests = [], []
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p.get("val_loss_mean_std"),
                "diverged_lrs": p.get("diverged_lrs"), "edge_warning": p.get("edge_warning"),  # point_warnings' already
@@ -1116,8 +1365,12 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claim: str = "lo
                "lr_sensitivity_rates": over, "run_minutes": p["run_minutes"]}
         if base is not None and p is not base:
             differ = setup_difference(p["summary"], base["summary"])
-            row.update({"verdict": f"no verdict: another setup ({differ})"} if differ else compared(p, base, claim))
+            if differ:
+                row["verdict"] = f"no verdict: another setup ({differ})"
+            else:
+                tests.append((row, compared(p, base, *claim_for(p, claims))))
         table.append(row)
+    add_verdicts(tests)
     return table
 
 
@@ -1140,18 +1393,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", default="", help="comma-separated metrics of the last eval to add to the run "
                         "table, e.g. val_xy_loss,grad_kurtosis")
     parser.add_argument("--lr_grid", metavar="V1,V2,...", help="learning rates (log-spaced): each grid point "
-                        "runs every rate on the first seed and the other seeds at its best rate")
+                        "runs every rate on the selection seeds and the held-out --seeds at its best rate")
     parser.add_argument("--lr_keys", default="learning_rate", metavar="KEY1+KEY2",
                         help="the rate(s) --lr_grid sets: the first takes the grid's values, the others keep their "
                         "ratio to it from the config (e.g. matrix_lr+learning_rate for muon); min_lr follows "
                         "learning_rate unless set (default: learning_rate)")
-    parser.add_argument("--lr_seeds", type=int, default=1, metavar="N",
-                        help="with --lr_grid: run every rate on the first N seeds and pick each point's rate on "
-                        "the mean over them (a rate that diverged on one ranks last), not on the first seed alone: "
-                        "a steadier pick for N times the grid's runs (default: 1)")
-    parser.add_argument("--claim", choices=("lower", "higher"), default="lower",
-                        help="with --lr_grid and --baseline: the verdict tests whether each point's final val loss "
-                        "is lower (default) or higher than the baseline's")
+    parser.add_argument("--select_seeds", metavar="S1,S2,...",
+                        help="with --lr_grid: the seeds that run every rate and pick each point's best (on their mean "
+                        "final val loss; a rate that diverged on one ranks last); they never enter a verdict "
+                        "(default: one seed not in --seeds, the smallest whole number)")
+    parser.add_argument("--lr_seeds", type=int, metavar="N", help="replaced by --select_seeds (refused)")
+    parser.add_argument("--claim", choices=("lower", "higher", "on_par", "none"), default="none",
+                        help="with --baseline: what the paper claims of each point's final val loss against the "
+                        "baseline's: lower or higher by --delta, on_par within ±--delta, or none (default: a "
+                        "description, lower / higher / not distinguishable, never a verdict word)")
+    parser.add_argument("--delta", metavar="NATS", help="the paper's effect size for --claim, in the loss's units "
+                        "(from its table; default 0), or the margin of an on_par claim (needed)")
+    parser.add_argument("--row_claim", action="extend", nargs="+", default=[], metavar="POINT:CLAIM[:DELTA]",
+                        help="a point's own claim and δ over --claim's (repeatable), e.g. "
+                        "norm_scheme=geonorm:lower:0.05 norm_scheme=post:none; a row whose paper makes no claim "
+                        "against the baseline gets none")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -1159,12 +1420,27 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
 
 
+def parse_claims(args: argparse.Namespace) -> list[tuple[dict, str | None, float]]:
+    """The claims of --claim/--delta (every point) and --row_claim (a point's own), as claim_for reads them;
+    refused without the --baseline they are claims against."""
+    given = args.claim != "none" or args.delta is not None or args.row_claim
+    if given and not args.baseline:
+        raise SweepError("--claim, --delta and --row_claim state what is claimed against --baseline; give "
+                         "--baseline key=value")
+    return [({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]
+
+
 def run_command(args: argparse.Namespace) -> int:
     """main() past the parsing: the exit code of what args ask for."""
     try:
+        if args.lr_seeds is not None:
+            raise SweepError("--lr_seeds is replaced by --select_seeds: the rate is picked on seeds that never enter "
+                             "a verdict, e.g. --select_seeds 0 --seeds 1,2,3,4,5 (for --lr_seeds 2 --seeds 1,2,3: "
+                             "--select_seeds 1,2 --seeds 3 and more held-out seeds)")
+        claims = parse_claims(args)
         if args.leaderboard:
-            table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, args.claim)
-            print(format_table(table, ["label", "best_lr", "val_loss_mean_std", "diff", "verdict", "diverged_lrs",
+            table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, claims)
+            print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "diverged_lrs",
                                        "lr_sensitivity", "run_minutes", "edge_warning"]))
             rates = table[0]["lr_sensitivity_rates"] if table else ""
             print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
@@ -1176,6 +1452,9 @@ def run_command(args: argparse.Namespace) -> int:
         baseline = parse_assignments(args.baseline, "--baseline")
         if any(k not in grid or v not in grid[k] for k, v in baseline.items()):
             raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
+        for values, _, _ in claims[1:]:
+            if any(k not in grid or v not in grid[k] for k, v in values.items()):
+                raise SweepError(f"--row_claim: {values} is not a point of the grid {grid}")
         if not os.path.isfile(args.config):
             raise SweepError(f"config file {args.config!r} not found (see configs/ for examples)")
         if args.jobs != "auto" and not (args.jobs.isdigit() and int(args.jobs) >= 1):
@@ -1185,6 +1464,12 @@ def run_command(args: argparse.Namespace) -> int:
         if args.seeds and not all(s.isdigit() for s in args.seeds.split(",")):
             raise SweepError(f"--seeds {args.seeds!r}: give whole numbers separated by commas, e.g. 1,2,3")
         seeds = [int(s) for s in distinct_values(args.seeds, "--seeds")] if args.seeds else None
+        if args.select_seeds and not (args.lr_grid and all(s.isdigit() for s in args.select_seeds.split(","))):
+            raise SweepError(f"--select_seeds {args.select_seeds!r}: give whole numbers separated by commas, with "
+                             "--lr_grid (they pick each point's learning rate)")
+        select = [int(s) for s in distinct_values(args.select_seeds, "--select_seeds")] if args.select_seeds else None
+        if select and seeds:
+            check_held_out(select, seeds)
         out_root = args.out_root or os.path.join("out", "sweep_" + os.path.splitext(os.path.basename(args.config))[0])
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
         if both := {k for key in grid for k in key.split("+")} & {k for key in fixed for k in key.split("+")}:
@@ -1204,12 +1489,12 @@ def run_command(args: argparse.Namespace) -> int:
         with contextlib.nullcontext() if args.dry_run else OutDirLock(out_root, "--out_root", "sweep"):
             if lr_values:
                 table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
-                                     args.threads_per_run, args.rerun, baseline or None, args.claim, args.dry_run,
-                                     extra, args.lr_seeds)
+                                     args.threads_per_run, args.rerun, baseline or None, claims, args.dry_run,
+                                     extra, select)
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
                              baseline or None, args.dry_run, extra)
-    except (SweepError, ConfigError, PlotError) as e:
+    except (SweepError, ConfigError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -6,6 +6,7 @@ import math
 import os
 import pathlib
 import signal
+import statistics
 from dataclasses import asdict
 
 import pytest
@@ -25,29 +26,40 @@ SETUP = {"n_layer": 2, "n_embd": 16, "block_size": 32, "task": "lm", "data": "sh
          "dataset": "shakespeare_char", "batch_size": 4, "max_iters": 300, "optimizer": "adamw", "seeds": 3}
 
 
-def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre") -> list[dict]:
-    """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on seed 1,
-    2, ...]}} (None: diverged, "crash": crashed), picking each scheme's best rate on seed 1; returns the point table."""
+LOWER = [({}, "lower", 0.0)]  # every point claimed lower than the baseline, by any amount
+
+
+def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre", claims: list | None = LOWER
+             ) -> list[dict]:
+    """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on selection
+    seed 0, then on held-out seeds 1, 2, ...]}} (None: diverged, "crash": crashed), picking each scheme's best rate
+    on seed 0; returns the point table."""
     outcome = {None: (5, 3), "crash": (None, 1)}  # loss -> (diverged_at, exit_code)
     rows = [{"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": x if x not in outcome else None,
+             "out_dir": f"norm_scheme={scheme},learning_rate={lr},seed={seed}",
              "wall_s": 1.0, "diverged_at": outcome.get(x, (None, 0))[0], "exit_code": outcome.get(x, (None, 0))[1]}
-            for scheme, by_rate in losses.items() for lr, xs in by_rate.items() for seed, x in enumerate(xs, 1)]
+            for scheme, by_rate in losses.items() for lr, xs in by_rate.items() for seed, x in enumerate(xs)]
     rates = list(dict.fromkeys(lr for by_rate in losses.values() for lr in by_rate))
     choice = [{"norm_scheme": scheme, **sweep.pick_best([r for r in rows if r["norm_scheme"] == scheme
-                                                         and r["seed"] == 1], "learning_rate", rates)}
+                                                         and r["seed"] == 0], "learning_rate", rates)}
               for scheme in losses]
     table = sweep.lr_table(rows, choice, ["norm_scheme"], "learning_rate", baseline and {"norm_scheme": baseline},
-                           "lower")
+                           claims, [0])
     os.makedirs(root, exist_ok=True)
     sweep.write_lr_summary(str(root), rows, table, ["norm_scheme"], "learning_rate", [], "synthetic",
-                           {"setup": setup, "settings": {}, "swept": ["norm_scheme", "learning_rate"]})
+                           {"select_seeds": [0], "setup": setup, "settings": {},
+                            "swept": ["norm_scheme", "learning_rate"]})
     return table
 
 
 def curve(best: str, at_best: list[float], rates: list[str] = RATES) -> dict[str, list[float]]:
-    """Seed 1 at every rate (the loss rising away from `best`), seeds 2 and 3 at `best`."""
+    """Selection seed 0 at every rate (the loss rising away from `best`), the held-out seeds at `best`."""
     centre = rates.index(best)
     return {lr: at_best if lr == best else [at_best[0] + 0.1 * abs(i - centre)] for i, lr in enumerate(rates)}
+
+
+PRE = [2.0, 2.02, 1.98, 2.01, 1.99, 2.0]  # seed 0, then five held-out seeds
+POST = [2.5, 2.52, 2.48, 2.51, 2.49, 2.5]
 
 
 def finished_run(out_dir, argv: list[str], max_iters: int = 4, exit_code: int = 0,
@@ -84,13 +96,152 @@ def one_line_error(capsys, pattern: str) -> None:
 # ----------------------------------------------------------------------------- the verdict rule's conditions
 
 
-def test_a_decisive_word_needs_three_seeds_in_each_arm():
-    two = sweep.verdict([1.0, 1.01], [2.0, 2.02])  # p < 0.05, but two seeds
-    assert two["verdict"] == "inconclusive at this scale" and two["n"] == (2, 2) and "3" in two["reason"]
-    assert two["p"] < 0.05  # the test's numbers stay in the result
-    one = sweep.verdict([math.inf], [1.0])  # the divergence clause from one seed per arm
-    assert one["verdict"] == "inconclusive at this scale" and one["diverged"] == (1, 0)
-    assert sweep.verdict([math.inf] * 3, [1.0, 1.1, 1.2])["verdict"] == "contradicted"  # three: decided
+BASE = [2.00, 2.02, 1.98, 2.01, 1.99]  # five held-out seeds of a baseline
+
+
+def shifted(by: list[float] | float, base: list[float] = BASE) -> list[float]:
+    """The baseline's seeds moved seed by seed (a list) or all alike (a number)."""
+    return [b + d for b, d in zip(base, by if isinstance(by, list) else [by] * len(base), strict=True)]
+
+
+NOISE = [0.08, -0.06, 0.10, -0.09, 0.02]  # per-seed differences with a spread of 0.08 and a mean of 0.01
+
+
+def test_a_clear_win_is_reproduced():
+    v = sweep.verdict(shifted([-0.20, -0.21, -0.19, -0.20, -0.20]), BASE, "lower", 0.05, paired=True)
+    assert v["verdict"] == "reproduced" and v["diff"] == pytest.approx(-0.2) and v["n"] == (5, 5)
+    assert v["ci"][1] < 0 and v["ci"][0] < -0.05 and v["p"] < 0.05 and v["seeds_needed"] is None
+    assert sweep.verdict(shifted(0.2), BASE, "higher", 0.05)["verdict"] == "reproduced"  # claimed higher, and is
+    assert sweep.verdict(shifted(-0.2), BASE, "higher", 0.05)["verdict"] == "contradicted"
+
+
+def test_a_consistent_gain_far_below_delta_is_smaller_than_claimed():
+    """0.0005 nats on every seed, with a spread of 1e-5: certain, and a hundred times smaller than the 0.05 the
+    paper claims, so not a decisive word for the claim either way."""
+    tiny = shifted([-0.0005 + e for e in (1e-5, -1e-5, 2e-5, 0.0, -2e-5)])
+    v = sweep.verdict(tiny, BASE, "lower", 0.05, paired=True)
+    assert v["verdict"] == "smaller than claimed" and -0.0006 < v["ci"][0] < v["ci"][1] < -0.0004
+    assert sweep.verdict(tiny, BASE, "lower", 0.0, paired=True)["verdict"] == "reproduced"  # no effect size claimed
+
+
+def test_a_clear_loss_is_contradicted():
+    v = sweep.verdict(shifted(0.2), BASE, "lower", 0.05)  # Welch: the arms share no seeds
+    assert v["verdict"] == "contradicted" and v["ci"][0] > 0 and v["test"] == "Welch's t"
+    # an interval that holds 0 but ends below δ rules the claimed effect out too
+    near = sweep.verdict(shifted([0.004, -0.003, 0.006, -0.005, 0.001]), BASE, "lower", 0.05, paired=True)
+    assert near["verdict"] == "contradicted" and near["ci"][0] < 0 < near["ci"][1] < 0.05
+
+
+def test_noise_is_inconclusive_with_the_seeds_its_mde_needs():
+    v = sweep.verdict(shifted(NOISE), BASE, "lower", 0.05, paired=True)
+    assert v["verdict"] == "inconclusive at this scale" and v["ci"][0] < -0.05 and v["ci"][1] > 0
+    se = v["sd"] / math.sqrt(5)
+    assert v["mde"] == pytest.approx((2.776 + 0.941) * se, rel=1e-3)  # t(0.975, 4) and t(0.8, 4) from a t table
+    n = v["seeds_needed"]  # the fewest seeds per arm whose mde, at this spread, reaches δ
+    assert 5 < n < 100 and sweep.mde(v["sd"] / math.sqrt(n), n - 1) <= 0.05 < sweep.mde(v["sd"] / math.sqrt(n - 1),
+                                                                                          n - 2)
+    no_delta = sweep.verdict(shifted(NOISE), BASE, "lower", paired=True)  # δ = 0: the seeds to see the observed Δ
+    assert no_delta["seeds_needed"] > n and f"about {no_delta['seeds_needed']} seeds" in sweep.verdict_text(no_delta)
+
+
+def test_on_par_is_equivalence_within_the_margin():
+    inside = sweep.verdict(shifted([0.001, -0.001, 0.002, 0.0, -0.002]), BASE, "on_par", 0.05, paired=True)
+    assert inside["verdict"] == "reproduced" and -0.05 < inside["ci"][0] < inside["ci"][1] < 0.05
+    outside = sweep.verdict(shifted(0.2), BASE, "on_par", 0.05, paired=True)
+    assert outside["verdict"] == "contradicted" and outside["ci"][0] > 0.05
+    noisy = sweep.verdict(shifted(NOISE), BASE, "on_par", 0.05, paired=True)
+    assert noisy["verdict"] == "inconclusive at this scale" and noisy["seeds_needed"] > 5
+    with pytest.raises(ValueError, match="margin"):
+        sweep.verdict(BASE, BASE, "on_par")
+
+
+def test_a_row_without_a_claim_gets_a_description_not_a_verdict():
+    assert sweep.verdict(shifted(-0.2), BASE, None)["verdict"] == "lower"
+    assert sweep.verdict(shifted(0.2), BASE, None)["verdict"] == "higher"
+    assert sweep.verdict(shifted(NOISE), BASE, None, paired=True)["verdict"] == "not distinguishable"
+    two = sweep.verdict([1.0, 1.01], [2.0, 2.02], None)  # a description needs no five seeds; a verdict would
+    assert two["verdict"] == "lower" and sweep.verdict([1.0, 1.01], [2.0, 2.02], "lower")["verdict"] == \
+        "inconclusive at this scale"
+    assert sweep.verdict([math.inf] * 5, BASE, None)["verdict"] == "higher"  # diverging: the higher loss
+
+
+def test_a_decisive_word_needs_five_held_out_seeds_in_each_arm():
+    four = sweep.verdict(shifted(-0.2, BASE[:4]), BASE[:4], "lower")
+    assert four["verdict"] == "inconclusive at this scale" and four["n"] == (4, 4) and "5 held-out" in four["reason"]
+    assert four["p"] < 0.05 and four["seeds_needed"] == 5  # the test's numbers stay in the result
+    assert sweep.verdict(shifted(-0.2), BASE, "lower")["verdict"] == "reproduced"
+
+
+def test_divergence_is_k_of_n_per_arm_compared_by_fishers_exact_test():
+    three = sweep.verdict([math.inf] * 3, BASE[:3], "lower")
+    assert three["p_diverged"] == pytest.approx(0.1) and three["verdict"] == "inconclusive at this scale"
+    five = sweep.verdict([math.inf] * 5, BASE, "lower")
+    assert five["p_diverged"] == pytest.approx(1 / 126) and five["verdict"] == "contradicted"  # 2 / C(10, 5)
+    assert sweep.verdict(BASE, [math.inf] * 5, "lower")["verdict"] == "reproduced"
+    assert sweep.verdict([math.inf] * 5, BASE, "higher", 0.05)["verdict"] == "reproduced"
+    assert sweep.verdict([math.inf] * 5, BASE, "on_par", 0.05)["verdict"] == "contradicted"
+    # one of five: not told apart (p = 1), so the losses decide over the seeds where both finished
+    one = sweep.verdict([math.inf, *shifted(-0.2)[1:]], BASE, "lower", 0.05, paired=True)
+    assert one["verdict"] == "reproduced" and one["p_diverged"] == pytest.approx(1.0)
+    assert one["diff"] == pytest.approx(-0.2) and "diverged on 1 of 5" in one["reason"]
+
+
+GAIN = [-0.02, -0.05, -0.01, -0.04, -0.005]  # a gain with p between 0.05 / 3 and 0.05 (paired)
+
+
+def test_holm_corrects_within_a_family():
+    assert sweep.holm([0.01, 0.02, 0.03, 0.04]) == [True, False, False, False]  # each < 0.05 alone
+    assert sweep.holm([0.04, 0.01, 0.02]) == [True, True, True]  # Bonferroni (0.05 / 3) would keep only 0.01
+    assert sweep.holm_adjusted([0.01, 0.02, 0.03, 0.04]) == pytest.approx([0.04, 0.06, 0.06, 0.06])
+    alone = sweep.verdict(shifted(GAIN), BASE, "lower", paired=True)
+    assert alone["verdict"] == "reproduced" and 0.05 / 3 < alone["p_word"] < 0.05
+    family = sweep.correct_family([alone, alone, sweep.verdict(shifted(-0.3), BASE, "lower", paired=True), None])
+    assert [v and v["verdict"] for v in family] == ["inconclusive at this scale"] * 2 + ["reproduced", None]
+    assert family[0]["family"] == 3 and "Holm" in sweep.verdict_text(family[0])
+
+
+def test_tables_apply_holm_over_their_rows(tmp_path):
+    arms = {"pre": curve("1e-3", [2.0, *BASE]), **{s: curve("1e-3", [2.0, *shifted(GAIN)]) for s in ("a", "b")}}
+    table = lr_sweep(tmp_path, arms)
+    assert [row["verdict"].split(" (")[0] for row in table[1:]] == ["inconclusive at this scale"] * 2
+    assert "Holm-adjusted p" in table[1]["verdict"]
+    assert lr_sweep(tmp_path / "one", {s: arms[s] for s in ("pre", "a")})[1]["verdict"].startswith("reproduced")
+    board = sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"}, LOWER)
+    assert sum(row.get("verdict", "").startswith("inconclusive") for row in board) == 2
+
+
+def test_leaderboard_rows_are_described_unless_their_claim_is_given(tmp_path, capsys):
+    geo = shifted([-0.2, -0.2, -0.21, -0.19, -0.2, -0.2], PRE)
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST), "geo": curve("1e-3", geo)})
+    board = {row["label"]: row for row in sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"})}
+    assert board["norm_scheme=post"]["claim"] == "none" and board["norm_scheme=post"]["verdict"].startswith("higher")
+    assert board["norm_scheme=geo"]["verdict"].startswith("lower")
+    claims = [({"norm_scheme": "geo"}, "lower", 0.05)]  # only geo's paper claims anything against Pre-Norm
+    board = {row["label"]: row for row in sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"}, claims)}
+    geo, post = board["norm_scheme=geo"], board["norm_scheme=post"]
+    assert (geo["claim"], geo["delta"], geo["n_seeds"]) == ("lower", 0.05, (5, 5))
+    assert geo["verdict"].startswith("reproduced") and geo["ci"][1] < 0 and geo["mde"] > 0
+    assert post["verdict"].startswith("higher") and post["delta"] is None
+    assert sweep.main(["--leaderboard", str(tmp_path), "--baseline", "norm_scheme=pre",
+                       "--row_claim", "norm_scheme=geo:lower:0.05"]) == 0
+    out = capsys.readouterr().out
+    for header in ("claim", "δ", "Δ vs baseline", "95% interval of Δ", "mde (80% power)", "| n "):
+        assert header in out, out
+    assert "5 vs 5" in out and "| lower " in out and "| none " in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--row_claim", "norm_scheme=geo"], "write POINT:CLAIM"),
+    (["--row_claim", "norm_scheme=geo:better"], "choose lower, higher, on_par or none"),
+    (["--row_claim", "norm_scheme=geo:lower:-1"], "give a number >= 0"),
+    (["--claim", "on_par"], "on_par needs its margin"),
+    (["--claim", "none", "--delta", "0.05"], "claim none tests no effect"),
+    (["--lr_seeds", "2"], "--lr_seeds is replaced by --select_seeds"),
+])
+def test_bad_claims_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)})
+    assert sweep.main(["--leaderboard", str(tmp_path), "--baseline", "norm_scheme=pre", *flags]) == 2
+    one_line_error(capsys, message)
 
 
 def test_a_single_rate_grid_is_its_own_edge():
@@ -100,27 +251,37 @@ def test_a_single_rate_grid_is_its_own_edge():
 
 
 def test_lr_table_gives_a_decisive_word_only_from_five_rates_and_a_best_inside_them(tmp_path):
-    clear = {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("1e-3", [2.5, 2.52, 2.48])}
+    clear = {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)}
     assert lr_sweep(tmp_path, clear)[1]["verdict"].startswith("contradicted")
-    edge = {**clear, "post": curve("1e-2", [2.5, 2.52, 2.48])}  # post's best is the highest rate
+    edge = {**clear, "post": curve("1e-2", POST)}  # post's best is the highest rate
     assert lr_sweep(tmp_path, edge)[1]["verdict"].startswith("inconclusive at this scale")
     assert "edge" in lr_sweep(tmp_path, edge)[1]["verdict"]
-    short = {s: curve("1e-3", xs, RATES[1:4]) for s, xs in (("pre", [2.0, 2.02, 1.98]), ("post", [2.5, 2.52, 2.48]))}
+    short = {s: curve("1e-3", xs, RATES[1:4]) for s, xs in (("pre", PRE), ("post", POST))}
     word = lr_sweep(tmp_path, short)[1]["verdict"]
     assert word.startswith("inconclusive at this scale") and "3 rates" in word
 
 
+def test_the_selection_seed_never_enters_the_verdict(tmp_path):
+    """Seed 0 picked each rate; at the best rate it is the luckiest seed of the grid (the winner's curse), and
+    the table leaves it out of the mean and the test."""
+    lucky = curve("1e-3", [1.0, *POST[1:]])  # a selection run far below the held-out ones
+    [_, post] = lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": lucky})
+    assert sorted(post["seed_losses"]) == [1, 2, 3, 4, 5] and post["n_seeds"] == (5, 5)
+    assert post["val_loss_mean"] == pytest.approx(statistics.fmean(POST[1:]))
+    assert sorted(sweep.best_lr_runs(str(tmp_path), {"norm_scheme": "post"})) == [1, 2, 3, 4, 5]
+
+
 def test_a_crashed_rate_is_not_a_result(tmp_path, capsys):
-    crashes = {**curve("1e-3", [2.5, 2.52, 2.48]), **{lr: ["crash"] for lr in ("1e-4", "3e-3", "1e-2")}}
-    table = lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": crashes})
+    crashes = {**curve("1e-3", POST), **{lr: ["crash"] for lr in ("1e-4", "3e-3", "1e-2")}}
+    table = lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": crashes})
     assert table[1]["verdict"].startswith("inconclusive at this scale") and "0.0001, 0.003, 0.01 crashed" in \
         table[1]["verdict"]  # two rates with a result: clearly apart, but not a comparison
     assert table[1]["crashed_lrs"] == "1e-4,3e-3,1e-2" and "crashed_lrs" in capsys.readouterr().out
-    assert sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"})[1]["verdict"] == table[1]["verdict"]
+    assert sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"}, LOWER)[1]["verdict"] == table[1]["verdict"]
 
 
 def test_an_arm_that_trains_at_no_rate_says_so_in_the_verdict_column(tmp_path):
-    runs = {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "none": {lr: [None] for lr in RATES}}
+    runs = {"pre": curve("1e-3", PRE), "none": {lr: [None] for lr in RATES}}
     table = lr_sweep(tmp_path, runs)
     assert "trained at no rate" in table[1]["verdict"]
     assert "trained at no rate" in sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"})[1]["verdict"]
@@ -186,9 +347,9 @@ def test_a_run_evaluated_at_max_iters_is_a_result_whatever_exit_code_run_json_re
     fixed = {"max_iters": "4"}
     [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, plain)
     finished_run(job["out_dir"], job["argv"], exit_code=exit_code, settings=recorded_settings(job["argv"]))
-    [job] = sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [1], fixed, lr,
-                            lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"]))
-    finished_run(job["out_dir"], job["argv"], exit_code=exit_code, settings=recorded_settings(job["argv"]))
+    for job in sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [0, 1], fixed, lr,  # selection seed 0, held-out 1
+                               lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"])):
+        finished_run(job["out_dir"], job["argv"], exit_code=exit_code, settings=recorded_settings(job["argv"]))
     assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", plain]) == 0  # skipped, counted
     summary = json.loads(pathlib.Path(plain, "summary.json").read_text())
     [row], [point] = summary["runs"], summary["grid_points"]
@@ -272,9 +433,10 @@ def test_a_cut_off_or_empty_summary_exits_2_naming_the_file(tmp_path, capsys, co
     lambda s: s["runs"][0].update(wall_s="1 s"),
     lambda s: s.update(setup=[1]),
     lambda s: s.update(swept=3),
+    lambda s: s.update(select_seeds=["0"]),
 ])
 def test_a_summary_edited_into_other_types_exits_2(tmp_path, capsys, edit):
-    lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("1e-3", [2.5, 2.52, 2.48])})
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)})
     summary = json.loads((tmp_path / "summary.json").read_text())
     edit(summary)
     (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -345,11 +507,11 @@ def test_a_failed_write_leaves_the_previous_summary_whole(tmp_path, monkeypatch)
 
 
 def test_leaderboard_withholds_the_verdict_between_different_setups(tmp_path):
-    base = {"pre": curve("1e-3", [2.0, 2.02, 1.98])}
-    lr_sweep(tmp_path / "a", base)
-    lr_sweep(tmp_path / "b", {"post": curve("1e-3", [2.5, 2.52, 2.48])}, {**SETUP, "max_iters": 100}, None)
-    lr_sweep(tmp_path / "c", {"post": curve("1e-3", [2.5, 2.52, 2.48])}, {**SETUP, "seeds": 5}, None)
-    board = {row["label"]: row for row in sweep.leaderboard([str(tmp_path / r) for r in "abc"], {"norm_scheme": "pre"})}
+    lr_sweep(tmp_path / "a", {"pre": curve("1e-3", PRE)})
+    lr_sweep(tmp_path / "b", {"post": curve("1e-3", POST)}, {**SETUP, "max_iters": 100}, None)
+    lr_sweep(tmp_path / "c", {"post": curve("1e-3", POST)}, {**SETUP, "seeds": 5}, None)
+    roots = [str(tmp_path / r) for r in "abc"]
+    board = {row["label"]: row for row in sweep.leaderboard(roots, {"norm_scheme": "pre"}, LOWER)}
     other, same = board["norm_scheme=post (b)"], board["norm_scheme=post (c)"]
     assert other["verdict"].startswith("no verdict") and "max_iters 100" in other["verdict"]
     assert same["verdict"].startswith("contradicted")  # the seed count is not a setup
@@ -359,7 +521,7 @@ def test_leaderboard_refuses_a_summary_that_disagrees_with_its_runs(tmp_path, ca
     """A seed's loss edited in summary.json (the verdict reads those), or a run's final loss that its
     metrics.jsonl no longer ends with (a run changed since), is refused, not compared."""
     root = tmp_path / "sweep"
-    lr_sweep(root, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": curve("3e-3", [2.03, 2.05, 2.01])})
+    lr_sweep(root, {"pre": curve("1e-3", PRE), "post": curve("3e-3", shifted(0.03, PRE))})
     path, command = root / "summary.json", ["--leaderboard", str(root), "--baseline", "norm_scheme=pre"]
     summary = json.loads(path.read_text())
     assert sweep.main(command) == 0
@@ -380,8 +542,8 @@ def test_leaderboard_refuses_a_summary_that_disagrees_with_its_runs(tmp_path, ca
 
 
 def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
-    fragile = curve("1e-3", [2.5, None, 2.48])
-    lr_sweep(tmp_path, {"pre": curve("1e-3", [2.0, 2.02, 1.98]), "post": fragile})
+    fragile = curve("1e-3", [2.5, None, 2.48, 2.51, 2.49, 2.5])
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": fragile})
     [row] = [r for r in sweep.leaderboard([str(tmp_path)]) if r["label"] == "norm_scheme=post"]
     assert row["edge_warning"].count("diverged or crashed at its best rate") == 1
 
@@ -389,22 +551,32 @@ def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
 def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
     lr_sweep(tmp_path / "a", {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, baseline=None)
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-    renamed = {1: 3, 2: 1, 3: 2}  # seeds 1, 2, 3 become 3, 1, 2: seed 3 ran every rate
+    renamed = {0: 3, 1: 1, 2: 2}  # seeds 0, 1, 2 become 3, 1, 2: seed 3 ran every rate
     for r in summary["runs"]:
         r["seed"] = renamed[r["seed"]]
     for p in summary["lr_points"]:  # kept in agreement with the runs (read_lr_summary checks it)
         p["seed_losses"] = {str(renamed[int(s)]): v for s, v in p["seed_losses"].items()}
+    summary["select_seeds"] = [3]
     (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
     lr_sweep(tmp_path / "b", {"post": curve("3e-3", [2.5, 2.52, 2.48])}, baseline=None)
     b = json.loads((tmp_path / "b" / "summary.json").read_text())
     for r in b["runs"]:
-        r["seed"] += 3  # seeds 4, 5, 6
+        r["seed"] += 4  # seeds 4, 5, 6
     for p in b["lr_points"]:
-        p["seed_losses"] = {str(int(s) + 3): v for s, v in p["seed_losses"].items()}
+        p["seed_losses"] = {str(int(s) + 4): v for s, v in p["seed_losses"].items()}
+    b["select_seeds"] = [4]
     (tmp_path / "b" / "summary.json").write_text(json.dumps(b))
     ax = plot.draw_lr_sensitivity([str(tmp_path / "a"), str(tmp_path / "b")]).axes[0]
     drawn = [line for line in ax.get_lines() if line.get_linestyle() == "-" and line.get_label()[0] != "_"]
     assert [len(line.get_xdata()) for line in drawn] == [5, 5]  # every rate of both sweeps
+
+
+def test_lr_figure_legend_states_each_comparison(tmp_path):
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)}, claims=[({}, "lower", 0.05)])
+    legend = [t.get_text() for t in plot.draw_lr_sensitivity([str(tmp_path)]).axes[0].get_legend().get_texts()]
+    assert legend[0] == "pre: 2.0000 ± 0.0158 (n=5) at lr 1e-3"  # the baseline
+    assert legend[1] == ("post: 2.5000 ± 0.0158 (n=5) at lr 1e-3\n  vs baseline, lower by δ=0.05: contradicted; "
+                         "Δ +0.5000 [+0.5000, +0.5000] mde 0.0000 n 5 vs 5")
 
 
 def test_lr_figure_title_leaves_out_swept_keys_and_states_the_tasks_context(tmp_path):
@@ -425,10 +597,11 @@ def test_a_run_continued_past_max_iters_counts_at_the_sweeps_max_iters(tmp_path)
     fixed = {"max_iters": "4"}
     [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, plain)
     finished_run(job["out_dir"], job["argv"], settings=recorded_settings(job["argv"]))
-    [lr_job] = sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [1], fixed, lr,
-                               lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"]))
-    finished_run(lr_job["out_dir"], lr_job["argv"], settings=recorded_settings(lr_job["argv"]))
-    for run in (job["out_dir"], lr_job["out_dir"]):
+    lr_jobs = sweep.plan_runs(CONFIG, {"learning_rate": ["1e-3"]}, [0, 1], fixed, lr,  # selection seed 0, held-out 1
+                              lr_ratios=sweep.lr_ratios_of(CONFIG, fixed, ["learning_rate"]))
+    for lr_job in lr_jobs:
+        finished_run(lr_job["out_dir"], lr_job["argv"], settings=recorded_settings(lr_job["argv"]))
+    for run in (job["out_dir"], *(lr_job["out_dir"] for lr_job in lr_jobs)):
         with open(os.path.join(run, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"kind": "eval", "iter": 8, "train_loss": 1.0, "val_loss": 1.1}) + "\n")
             f.write(json.dumps({"kind": "status", "status": "diverged", "iter": 9}) + "\n")

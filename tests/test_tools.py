@@ -1,11 +1,14 @@
 """sweep.py, plot.py and sample.py on real tiny train.py runs: summaries, skipping, resuming, divergence, labels,
 PNGs, samples."""
 
+import ast
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -13,6 +16,7 @@ import pytest
 from conftest import ROOT, tiny_run_args
 
 import plot
+import runs
 import sample
 import sweep
 import train
@@ -51,6 +55,21 @@ def diverged_root(data_dir, tmp_path_factory) -> tuple[str, subprocess.Completed
            "--threads_per_run", "1", "--set", *fixed]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     return out_root, result
+
+
+def imported_modules(path: str) -> set[str]:
+    """The top-level names a Python file imports, anywhere in it (functions' lazy imports too)."""
+    tree = ast.parse(pathlib.Path(ROOT, path).read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return names | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_sweep_plot_and_runs_import_one_way():
+    """runs.py <- sweep.py <- plot.py: what both scripts read of a run lives below them, and no two import each
+    other (a cycle that worked only while every import of one was lazy)."""
+    assert not {"sweep", "plot"} & imported_modules("runs.py")
+    assert "runs" in imported_modules("sweep.py") and "plot" not in imported_modules("sweep.py")
+    assert "runs" in imported_modules("plot.py")
 
 
 def test_expand_grid_covers_every_combination_then_every_seed():
@@ -248,9 +267,9 @@ def test_plot_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
 ])
 def test_metrics_of_the_wrong_type_exit_2_naming_the_line(tmp_path, capsys, line, message):
     (tmp_path / "metrics.jsonl").write_text('{"kind": "eval", "iter": 0, "val_loss": 2.0}\n' + line + "\n")
-    with pytest.raises(plot.PlotError, match=re.escape(str(tmp_path / "metrics.jsonl")) + " " + message):
-        plot.load_metrics(str(tmp_path))
-    with pytest.raises(plot.PlotError, match=message):  # not a TypeError in sweep's summary
+    with pytest.raises(runs.RunFileError, match=re.escape(str(tmp_path / "metrics.jsonl")) + " " + message):
+        runs.load_metrics(str(tmp_path))
+    with pytest.raises(runs.RunFileError, match=message):  # not a TypeError in sweep's summary
         sweep.summarize([str(tmp_path)])
     assert plot.main([str(tmp_path), "--out", str(tmp_path / "fig.png")]) == 2
     assert re.search(message, capsys.readouterr().err)
@@ -343,30 +362,34 @@ def test_seed_means_keep_a_diverged_seed_out_of_the_mean_and_name_it(tmp_path, m
 # ----------------------------------------------------------------------------- learning-rate sweeps and verdicts
 
 
-def test_t_test_p_matches_tabulated_student_t_quantiles():
-    # two-sided 5% critical values from any t table (4 significant digits, hence the 1e-3 tolerance)
-    for t, df in [(12.706, 1), (4.303, 2), (2.776, 4), (2.228, 10), (1.960, 1e6)]:
-        assert sweep.t_test_p(t, df) == pytest.approx(0.05, abs=1e-3)
-    assert sweep.t_test_p(0.0, 3) == pytest.approx(1.0) and sweep.t_test_p(math.inf, 3) == 0.0
-    assert sweep.t_test_p(63.657, 1) == pytest.approx(0.01, abs=2e-4)  # the 1% value: the tail far out
+def test_the_interval_uses_students_t_quantiles():
+    # paired by seed, five differences: the half-width is t(0.975, 4) = 2.776 (a t table, 4 significant digits,
+    # hence the 1e-3 tolerance) times their standard error, around their mean 0.1
+    v = sweep.compare_arms([1.1, 1.0, 1.2, 1.05, 1.15], [1.0] * 5, paired=True)
+    se = statistics.stdev([0.1, 0.0, 0.2, 0.05, 0.15]) / math.sqrt(5)
+    assert v["diff"] == pytest.approx(0.1) and v["se"] == pytest.approx(se) and v["df"] == 4
+    assert (v["ci"][1] - v["ci"][0]) / 2 == pytest.approx(2.776 * se, rel=1e-3)
+    welch = sweep.compare_arms([1.0, 1.2, 1.1], [2.0, 2.0, 2.0])  # the second arm has no spread: df = 3 - 1
+    assert welch["df"] == pytest.approx(2) and welch["ci"][1] - welch["diff"] == pytest.approx(4.303 * welch["se"],
+                                                                                              rel=1e-3)
 
 
 def test_verdict_rule_on_synthetic_losses():
-    base = [2.00, 2.02, 1.98]
-    assert sweep.verdict([1.80, 1.82, 1.78], base)["verdict"] == "reproduced"  # clear win
-    assert sweep.verdict([2.20, 2.22, 2.18], base)["verdict"] == "contradicted"  # clear loss
-    assert sweep.verdict([2.01, 1.97, 2.03], base)["verdict"] == "inconclusive at this scale"  # within noise
-    assert sweep.verdict([2.20, 2.22, 2.18], base, claim="higher")["verdict"] == "reproduced"
+    base = [2.00, 2.02, 1.98, 2.01, 1.99]
+    assert sweep.verdict([1.80, 1.82, 1.78, 1.81, 1.79], base, "lower")["verdict"] == "reproduced"  # clear win
+    assert sweep.verdict([2.20, 2.22, 2.18, 2.21, 2.19], base, "lower")["verdict"] == "contradicted"  # clear loss
+    assert sweep.verdict([2.01, 1.97, 2.03, 1.99, 2.0], base, "lower")["verdict"] == "inconclusive at this scale"
+    assert sweep.verdict([2.20, 2.22, 2.18, 2.21, 2.19], base, "higher")["verdict"] == "reproduced"
     # a small shift shared by every seed: lost in the seed spread unpaired, found when paired by seed
-    shifted, spread = [1.99, 2.49, 2.99], [2.00, 2.50, 3.00]
-    assert sweep.verdict(shifted, spread)["verdict"] == "inconclusive at this scale"
-    paired = sweep.verdict([1.990, 2.491, 2.989], spread, paired=True)
+    spread = [2.00, 2.50, 3.00, 2.25, 2.75]
+    shifted = [1.990, 2.491, 2.989, 2.240, 2.741]
+    assert sweep.verdict(shifted, spread, "lower")["verdict"] == "inconclusive at this scale"
+    paired = sweep.verdict(shifted, spread, "lower", paired=True)
     assert paired["verdict"] == "reproduced" and paired["test"] == "paired t" and paired["p"] < 0.05
     # divergence: an arm that diverged on every seed loses to one that trained on every seed
-    assert sweep.verdict(base, [math.inf] * 3)["verdict"] == "reproduced"
-    assert sweep.verdict([math.inf] * 3, base)["verdict"] == "contradicted"
-    assert sweep.verdict([1.5, math.inf, 1.5], base)["verdict"] == "inconclusive at this scale"
-    assert sweep.verdict([1.8], base)["verdict"] == "inconclusive at this scale"  # one seed: no spread to test
+    assert sweep.verdict(base, [math.inf] * 5, "lower")["verdict"] == "reproduced"
+    assert sweep.verdict([math.inf] * 5, base, "lower")["verdict"] == "contradicted"
+    assert sweep.verdict([1.8], base, "lower")["verdict"] == "inconclusive at this scale"  # one seed: no spread
 
 
 def lr_row(lr: str, val: float | None, diverged: int | None = None, code: int = 0) -> dict:
@@ -408,7 +431,7 @@ def test_lr_sensitivity_caps_each_rate_at_the_initial_loss_and_subtracts_the_bes
     assert sweep.first_seed_runs(later + rows, "learning_rate") == rows  # the seed that ran every rate
 
 
-def test_lr_seeds_pick_the_rate_on_the_mean_over_seeds(capsys, tmp_path):
+def test_select_seeds_pick_the_rate_on_their_mean_and_are_not_held_out(capsys, tmp_path):
     grid = ["3e-3", "1e-2"]
 
     def runs(losses):  # {(rate, seed): final loss or None for a divergence}
@@ -416,19 +439,24 @@ def test_lr_seeds_pick_the_rate_on_the_mean_over_seeds(capsys, tmp_path):
                 for (lr, seed), x in losses.items()]
 
     fragile = runs({("3e-3", 1): 2.1, ("1e-2", 1): 2.0, ("3e-3", 2): 2.2, ("1e-2", 2): None})
-    assert sweep.pick_best(fragile[:2], "learning_rate", grid)["best_lr"] == "1e-2"  # the first seed alone
+    assert sweep.pick_best(fragile[:2], "learning_rate", grid)["best_lr"] == "1e-2"  # one selection seed
     both = sweep.pick_best(fragile, "learning_rate", grid)  # 1e-2 diverged on seed 2: it ranks last
     assert both["best_lr"] == "3e-3" and both["diverged_lrs"] == ["1e-2"]
     noisy = runs({("3e-3", 1): 2.1, ("1e-2", 1): 2.0, ("3e-3", 2): 2.1, ("1e-2", 2): 2.3})
     assert sweep.pick_best(noisy, "learning_rate", grid)["best_lr"] == "3e-3"  # mean 2.10 against 2.15
-    # every rate runs on each of the first N seeds; the rest wait for the best rate
+    # every rate runs on each selection seed; the held-out seeds wait for the best rate
     argv = [CONFIG, "--lr_grid", "1e-3,1e-2", "--seeds", "1,2,3", "--out_root", str(tmp_path), "--dry_run"]
-    assert sweep.main([*argv, "--lr_seeds", "2"]) == 0
-    commands = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("python")]
-    planned = sorted((a, b) for c in commands for a in c if a.startswith("--learning_rate=")
-                     for b in c if b.startswith("--seed="))
-    assert planned == [(f"--learning_rate={lr}", f"--seed={seed}") for lr in ("1e-2", "1e-3") for seed in (1, 2)]
-    assert sweep.main([*argv, "--lr_seeds", "4"]) == 2  # more than the seeds given
+    for select, seeds in (["--select_seeds", "7,8"], (7, 8)), ([], (0,)):  # default: the smallest seed not held out
+        assert sweep.main([*argv, *select]) == 0
+        commands = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("python")]
+        planned = sorted((a, b) for c in commands for a in c if a.startswith("--learning_rate=")
+                         for b in c if b.startswith("--seed="))
+        assert planned == [(f"--learning_rate={lr}", f"--seed={s}") for lr in ("1e-2", "1e-3") for s in seeds]
+    assert sweep.main([*argv, "--select_seeds", "3,4"]) == 2  # seed 3 would pick the rate and judge it
+    assert "seed 3 is in both --select_seeds and --seeds" in capsys.readouterr().err
+    assert sweep.main([*argv, "--lr_seeds", "2"]) == 2  # the flag it replaces: refused, pointing to it
+    assert "--select_seeds" in capsys.readouterr().err
+    assert sweep.main([CONFIG, "--select_seeds", "7", "--dry_run"]) == 2  # no rate to pick without --lr_grid
 
 
 def test_a_best_rate_that_fails_on_another_seed_is_flagged():
@@ -440,33 +468,45 @@ def test_a_best_rate_that_fails_on_another_seed_is_flagged():
     assert sweep.point_warnings(None, {1: 2.0, 2: 2.1}) is None
 
 
-def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(data_dir, tmp_path):
+def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_out_ones(data_dir, tmp_path):
+    """Seed 7 runs every rate and picks each point's best; seeds 1 and 2 run at that rate only and are the only
+    seeds the mean ± std, the verdict, the leaderboard and best_lr_runs count."""
     out_root = str(tmp_path / "lr")
     fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
     cmd = [sys.executable, "sweep.py", CONFIG, "--grid", "norm_scheme=pre,post", "--lr_grid", "1e-3,1e-2",
-           "--seeds", "1,2", "--jobs", "2", "--threads_per_run", "1", "--baseline", "norm_scheme=pre",
+           "--select_seeds", "7", "--seeds", "1,2", "--jobs", "2", "--threads_per_run", "1",
+           "--baseline", "norm_scheme=pre", "--row_claim", "norm_scheme=post:lower:0.05",
            "--out_root", out_root, "--set", *fixed]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = read_summary(out_root)
-    assert len(summary["runs"]) == 2 * (2 + 1)  # 2 schemes x (2 rates on seed 1 + seed 2 at the best rate)
+    assert (summary["select_seeds"], summary["held_out_seeds"]) == ([7], [1, 2])
+    assert len(summary["runs"]) == 2 * (2 + 2)  # 2 schemes x (2 rates on seed 7 + seeds 1, 2 at the best rate)
     for point in summary["lr_points"]:
-        first = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"] and r["seed"] == 1]
-        assert point["best_lr"] == min(first, key=lambda r: r["val_loss"])["learning_rate"]
-        at_best = [r["val_loss"] for r in summary["runs"]
-                   if r["norm_scheme"] == point["norm_scheme"] and r["learning_rate"] == point["best_lr"]]
-        assert len(at_best) == 2 and point["val_loss_mean"] == pytest.approx(sum(at_best) / 2)
+        runs = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"]]
+        selection = [r for r in runs if r["seed"] == 7]
+        assert sorted(r["learning_rate"] for r in selection) == ["1e-2", "1e-3"]  # at every rate
+        assert point["best_lr"] == min(selection, key=lambda r: r["val_loss"])["learning_rate"]
+        held_out = [r for r in runs if r["seed"] != 7]
+        assert sorted(r["seed"] for r in held_out) == [1, 2] and {r["learning_rate"] for r in held_out} == \
+            {point["best_lr"]}
+        assert sorted(point["seed_losses"]) == ["1", "2"]  # seed 7 ran the best rate too, and is left out
+        assert point["val_loss_mean"] == pytest.approx(statistics.fmean(r["val_loss"] for r in held_out))
         assert f"{point['val_loss_mean']:.4f} ± " in point["val_loss_mean_std"] and "(n=2)" in result.stdout
+    post = summary["lr_points"][1]
+    assert (post["claim"], post["delta"], post["n_seeds"]) == ("lower", 0.05, [2, 2])
+    assert post["verdict"].startswith("inconclusive at this scale")  # two held-out seeds decide nothing
+    assert "| lower | 0.05 |" in result.stdout and "2 vs 2" in result.stdout
     # min_lr keeps its ratio to the swept rate (cpu_base: 2e-4 at 2e-3)
     argv = sweep.read_json(os.path.join(summary["runs"][0]["out_dir"], "run.json"))["argv"]
     assert "--min_lr=0.0001" in argv and "--learning_rate=1e-3" in argv
-    assert "verdict" in summary["lr_points"][1]
-    board = sweep.leaderboard([out_root], {"norm_scheme": "pre"})
+    claims = [({"norm_scheme": "post"}, "lower", 0.05)]
+    board = sweep.leaderboard([out_root], {"norm_scheme": "pre"}, claims)
     means = [p["val_loss_mean"] for p in summary["lr_points"]]
     assert [row["val_loss_mean_std"][:6] for row in board] == [f"{m:.4f}"[:6] for m in sorted(means)]
-    assert sum("verdict" in row for row in board) == 1  # every arm but the baseline
+    assert [row["n_seeds"] for row in board if "verdict" in row] == [(2, 2)]  # every arm but the baseline
     for row, point in zip(board, sorted(summary["lr_points"], key=lambda p: p["val_loss_mean"]), strict=True):
-        first = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"] and r["seed"] == 1]
+        first = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"] and r["seed"] == 7]
         start = sweep.val_loss_at(first[0]["out_dir"], 0)
         capped = [min(sweep.final_loss(r), start) for r in first]
         assert row["lr_sensitivity"] == pytest.approx(sum(capped) / 2 - min(capped))
@@ -482,8 +522,16 @@ def test_lr_sweep_runs_every_rate_on_the_first_seed_and_the_rest_at_the_best(dat
     at_best = sweep.best_lr_runs(out_root, {"norm_scheme": "post"})
     with pytest.raises(sweep.SweepError):
         sweep.best_lr_runs(out_root, {"norm_scheme": "rms"})
-    assert sorted(at_best) == [1, 2] and all(f"learning_rate={summary['lr_points'][1]['best_lr']}" in d
-                                             for d in at_best.values())
+    assert sorted(at_best) == [1, 2] and all(f"learning_rate={post['best_lr']}" in d for d in at_best.values())
+    # a summary from before the selection seeds were named: the seed that ran every rate is still left out
+    legacy = {k: v for k, v in summary.items() if k not in ("select_seeds", "held_out_seeds")}
+    for p in legacy["lr_points"]:
+        p["seed_losses"]["7"] = next(r["val_loss"] for r in legacy["runs"] if r["norm_scheme"] == p["norm_scheme"]
+                                     and r["seed"] == 7 and r["learning_rate"] == p["best_lr"])
+    pathlib.Path(twin, "summary.json").write_text(json.dumps(legacy))
+    assert [row["n_seeds"] for row in sweep.leaderboard([twin], {"norm_scheme": "pre"}, claims)
+            if "verdict" in row] == [(2, 2)]
+    assert sorted(sweep.best_lr_runs(twin, {"norm_scheme": "post"})) == [1, 2]
 
 
 def test_steps_to_target_and_loss_at_an_iteration_read_the_evaluations(tmp_path):
