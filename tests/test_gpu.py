@@ -16,6 +16,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench
+import diagnostics
 import train
 from model import GPT, GPTConfig
 
@@ -52,7 +53,7 @@ def test_peak_flops_by_device_and_dtype(monkeypatch, name, dtype, tf32, tflops):
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        assert train.device_peak_flops("cuda", dtype) == tflops * 1e12
+        assert diagnostics.device_peak_flops("cuda", dtype) == tflops * 1e12
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -162,7 +163,8 @@ def test_bf16_autocast_loss_is_near_float32_on_cuda(scheme):
 @pytest.mark.cuda
 def test_peak_flops_knows_this_gpu():
     """The GPU this runs on is in the peak table, so its MFU is a number (add a row for a new GPU)."""
-    bf16, fp32 = train.device_peak_flops("cuda", torch.bfloat16), train.device_peak_flops("cuda", torch.float32)
+    peak = diagnostics.device_peak_flops
+    bf16, fp32 = peak("cuda", torch.bfloat16), peak("cuda", torch.float32)
     assert math.isfinite(bf16) and bf16 > fp32 > 0, torch.cuda.get_device_name()
 
 

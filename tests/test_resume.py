@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_run_args
 
+import diagnostics
 import optim
 import run_files
 import train
@@ -427,7 +428,7 @@ def test_gradient_statistics_of_gaussian_gradients():
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = 8 * torch.randn(p.shape, generator=generator)
-    stats = train.gradient_statistics(model, grad_scale=8.0)
+    stats = diagnostics.gradient_statistics(model, grad_scale=8.0)
     assert stats["grad_kurtosis"] == pytest.approx(3.0, abs=0.15)
     assert stats["grad_tail_ratio"] == pytest.approx(4.88, abs=0.4)
     n = sum(p.numel() for p in model.parameters())
