@@ -40,8 +40,8 @@ import torch
 
 import optim
 from diagnostics import device_peak_flops
+from guards import reuse_freed_memory
 from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
-from train import reuse_freed_memory
 from train_config import ConfigError, check_device
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
@@ -346,7 +346,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin). profile > 0
     also profiles that many steps of each case and prints the ops where each differs most from the
     baseline; the per-op times are in tables["profile_schemes"] and tables["profile_optimizers"].
-    Freed CPU memory is reused as in train.py (`reuse_freed_memory`) unless default_malloc."""
+    Freed CPU memory is reused as in train.py (`guards.reuse_freed_memory`) unless default_malloc."""
     reused = False if default_malloc else reuse_freed_memory()
     if threads is not None:
         torch.set_num_threads(threads)

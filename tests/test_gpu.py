@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench
 import diagnostics
+import guards
 import train
 from model import GPT, GPTConfig
 
@@ -34,10 +35,10 @@ def test_ddp_is_wrapped_before_compile(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = GPT(tiny_config())
-        wrapped = train.wrap_model(model, train.Dist(rank=0, local_rank=0, world_size=2), "cpu", compiled=True)
+        wrapped = train.wrap_model(model, guards.Dist(rank=0, local_rank=0, world_size=2), "cpu", compiled=True)
         assert isinstance(wrapped, OptimizedModule) and isinstance(wrapped._orig_mod, DDP)
         assert wrapped._orig_mod.module is model and wrapped._orig_mod.gradient_as_bucket_view
-        assert train.wrap_model(model, train.Dist(), "cpu", compiled=False) is model  # one process, eager: as is
+        assert train.wrap_model(model, guards.Dist(), "cpu", compiled=False) is model  # one process, eager: as is
     finally:
         dist.destroy_process_group()
 
