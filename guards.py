@@ -54,6 +54,29 @@ EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT
 NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 
 
+# ----------------------------------------------------------------------------- exit codes
+
+
+def exit_code(run: Callable[[], int]) -> int:
+    """run()'s exit code; for an error that ends it, one line on stderr and its exit code: ConfigError 2,
+    a second SIGINT 130, LostRanks 1. The process group, if any, is closed either way."""
+    try:
+        return run()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:  # a second SIGINT, or one before the run's handlers were installed
+        print("interrupted by SIGINT: stopped at once, without a checkpoint of the current iteration",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except LostRanks as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- processes
 
 
@@ -131,7 +154,7 @@ def claim_out_dir(out_dir: str, ddp: Dist, device: str) -> Iterator[None]:
 
 
 class LostRanks(RuntimeError):
-    """A collective failed: another rank stalled past dist_timeout, or ended. main() prints one line, exit 1."""
+    """A collective failed: another rank stalled past dist_timeout, or ended. exit_code prints one line, exit 1."""
 
 
 # how gloo reports a rank that stalled past dist_timeout ("Timed out waiting ...", or "Application timeout
@@ -156,6 +179,18 @@ def lost_ranks(error: RuntimeError, cfg: TrainConfig, ddp: Dist, stop: StopSigna
         return LostRanks(f"rank {ddp.rank} got {stop.received}, but another rank had ended already ({what}); "
                          "the last checkpoint is kept")
     return None
+
+
+@contextlib.contextmanager
+def lost_ranks_named(cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> Iterator[None]:
+    """A collective that failed because another rank stalled or ended is raised as LostRanks, which says so."""
+    try:
+        yield
+    except RuntimeError as e:
+        lost = lost_ranks(e, cfg, ddp, stop) if ddp.world_size > 1 else None
+        if lost is None:
+            raise
+        raise lost from None
 
 
 # ----------------------------------------------------------------------------- stop signals
@@ -183,6 +218,17 @@ class StopSignals:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = self.received or signal.Signals(signum).name
+
+
+def stopped_during_setup(stop: StopSignals, ddp: Dist, device: str) -> bool:
+    """Whether any rank was asked to stop during the setup (a long one: data, model, compile); rank 0 then says
+    that the run ends before its first iteration, with nothing written."""
+    if not all_ranks(torch.tensor(float(stop.received is not None), device=device), ddp).item():
+        return False
+    if ddp.master:
+        print(f"{stop.received or 'a stop signal on another rank'}: stopped during setup, before the first "
+              "iteration; nothing was changed", file=sys.stderr)
+    return True
 
 
 def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,

@@ -3,15 +3,16 @@ The language-modelling task: next-token prediction on a dataset prepared by prep
 embedded Shakespeare corpus is prepared on first use). Parallel to icl_task.py; make_task picks one.
 
 Guarantees: window k of iteration i is a pure function of (seed, split, i, k) (stream_seed), and so are
-the dropout masks of micro-batch k (stream_seed with DROPOUT_STREAM), never of which rank or how many ranks
-draw them; every token id in the data lies in meta.json's vocabulary; a block_size or batch_size that cannot
-fit stops with a message (exit 2) before anything is allocated. print_sample shows text from the trained model.
+the dropout masks of micro-batch k (dropout_seed), never of which rank or how many ranks draw them; every
+token id in the data lies in meta.json's vocabulary; a block_size or batch_size that cannot fit stops with
+a message (exit 2) before anything is allocated. print_sample shows text from the trained model.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from guards import Dist, StopSignals, agreed
 from model import GPT
 from train_config import MODEL_KEYS, ConfigError, TrainConfig
 
+if TYPE_CHECKING:
+    from icl_task import LeastSquaresTask
+
 TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
 SAMPLE_CHUNK = 64  # tokens of the final sample drawn between checks for a stop signal
 
@@ -28,6 +32,12 @@ SAMPLE_CHUNK = 64  # tokens of the final sample drawn between checks for a stop 
 def stream_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from integers (numpy's SeedSequence hashing)."""
     return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+def dropout_seed(seed: int, iteration: int, index: int) -> int:
+    """The global RNG's seed before micro-batch `index` (counted over all ranks) of `iteration`: its dropout
+    masks are the same whichever rank draws it."""
+    return stream_seed(seed, DROPOUT_STREAM, iteration, index)
 
 
 class TextData:
@@ -160,7 +170,10 @@ def check_batch_fits(cfg: TrainConfig, model_args: dict, device: str) -> None:
                           "--gradient_accumulation_steps to keep the tokens per iteration)")
 
 
-def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool):
+Task: TypeAlias = "LanguageModelTask | LeastSquaresTask"  # what train.py trains on: cfg.task "lm" or "icl"
+
+
+def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool) -> Task:
     if cfg.task == "icl":
         from icl_task import LeastSquaresTask
 

@@ -17,19 +17,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
+import torch
+
+from guards import Dist, agreed
 from run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
     METRICS_NAME,
+    MetricsLog,
     foreign_checkpoint,
     load_checkpoint,
     previous_run_files,
+    remove_previous_run,
     save_checkpoint,
     save_latest_checkpoint,
 )
-from train_config import ConfigError, TrainConfig
+from train_config import TRAIN_KEYS, ConfigError, TrainConfig
 
 
 def checkpoint_to_load(cfg: TrainConfig) -> str | None:
@@ -164,6 +169,56 @@ def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict
                           "checkpoint's model and data layout (only dropout may change); drop those settings "
                           "or start a new run with another --out_dir")
     return {**saved, **{k: v for k, v in model_args.items() if k == "dropout"}}
+
+
+def load_weights(model: torch.nn.Module, checkpoint: dict, out_dir: str) -> None:
+    """The checkpoint's weights into `model`; weights that do not fit are named as a foreign checkpoint."""
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:  # missing, extra or misshapen weights
+        raise foreign_checkpoint(out_dir, e) from None
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: dict, cfg: TrainConfig) -> None:
+    """The checkpoint's optimizer state (not for an evaluation, which needs none), under this run's
+    hyperparameters: the config's learning rate, weight decay, ... win over the checkpoint's."""
+    if cfg.eval_only:
+        return
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:  # groups or state that do not match the parameters
+        raise foreign_checkpoint(cfg.out_dir, e) from None
+    for group, fresh in zip(optimizer.param_groups, settings, strict=True):
+        group.update(fresh)  # the config's hyperparameters win over the checkpoint's
+
+
+def resume_summary(cfg: TrainConfig, checkpoint: dict) -> str:
+    """The line a resumed or eval-only run starts with: where it starts and the settings it changes."""
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
+               if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
+    return (f"{'evaluating' if cfg.eval_only else 'resuming'} at iter {checkpoint['iter_num']} "
+            f"(saved by {checkpoint['world_size']} process(es))"
+            + (f"; changed: {', '.join(changed)}" if changed else ""))
+
+
+def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool) -> MetricsLog:
+    """metrics.jsonl (and wandb on request). A new run deletes the earlier run's files only now, with everything
+    ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again)."""
+    wandb_run = None
+    if cfg.wandb_log and ddp.master:
+        import wandb
+
+        wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=asdict(cfg))
+    if ddp.master and checkpoint is None:
+        removed = remove_previous_run(cfg.out_dir)
+        if removed:
+            print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
+    return agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and not cfg.eval_only,
+                                     checkpoint["iter_num"] if checkpoint else None, wandb_run,
+                                     reevaluates=reevaluates,
+                                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
+                  device, f"continue {METRICS_NAME}")
 
 
 def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state: Callable[[], dict], latest: bool) -> None:
