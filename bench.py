@@ -39,8 +39,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 import optim
+from diagnostics import device_peak_flops
+from guards import reuse_freed_memory
 from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
-from train import device_peak_flops, reuse_freed_memory
 from train_config import ConfigError, check_device
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
@@ -165,7 +166,7 @@ def ratio_spread(times: dict[str, list[float]], baseline: str) -> dict[str, dict
 
 
 def process_time_peak_flops(dtype: torch.dtype) -> float:
-    """The CPU's matmul peak timed like `--clock cpu` steps, in process CPU time (as train.py's
+    """The CPU's matmul peak timed like `--clock cpu` steps, in process CPU time (as diagnostics.py's
     device_peak_flops: 2048^2 matmuls, the best of a few; bf16 without native support counts as float32)."""
     if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         dtype = torch.float32
@@ -345,7 +346,7 @@ def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: 
     "wall" or "cpu" (process CPU time: exact with one thread, since idle threads spin). profile > 0
     also profiles that many steps of each case and prints the ops where each differs most from the
     baseline; the per-op times are in tables["profile_schemes"] and tables["profile_optimizers"].
-    Freed CPU memory is reused as in train.py (`reuse_freed_memory`) unless default_malloc."""
+    Freed CPU memory is reused as in train.py (`guards.reuse_freed_memory`) unless default_malloc."""
     reused = False if default_malloc else reuse_freed_memory()
     if threads is not None:
         torch.set_num_threads(threads)

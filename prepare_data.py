@@ -845,7 +845,7 @@ def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[
     """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus the
     dtype, token counts and each file's SHA-256), then rename the folder to out. Returns the full meta.
 
-    The digests name the data a checkpoint was trained on: a resume compares them (train.check_same_data)
+    The digests name the data a checkpoint was trained on: a resume compares them (resume.check_same_data)
     without reading the files again. `keep` (the corpus being read) is never removed as a leftover."""
     check_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,7 @@ from scipy import stats
 import prepare_data
 import train
 from model import GPTConfig
+from resume import SPLIT_FINGERPRINT, short
 from run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
@@ -286,7 +287,7 @@ def check_same_data(out_dir: str, cfg: TrainConfig) -> None:
         now = prepare_data.load_meta(path)
     except (FileNotFoundError, ValueError) as e:
         raise SweepError(str(e).replace("\n", " ")) from None
-    changed = [f"{k} {train.short(saved[k])} -> {train.short(now[k])}" for k in train.SPLIT_FINGERPRINT
+    changed = [f"{k} {short(saved[k])} -> {short(now[k])}" for k in SPLIT_FINGERPRINT
                if k in saved and k in now and saved[k] != now[k]]
     if changed:
         raise SweepError(f"{out_dir} was trained on other data than {path} holds now (prepared again since: "

@@ -10,441 +10,71 @@ Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
 A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it. Every key is
 a field of `train_config.TrainConfig` or of `model.GPTConfig`; anything else stops with a message.
 
-Reproducibility: micro-batch k of iteration i (k counts over all ranks) sees data and dropout
-masks that depend only on (seed, i, k): its window is drawn from that seed and the global RNG is
-re-seeded from it before its forward. A checkpoint holds the model, the optimizer state (every
-optimizer here keeps its full state on rank 0), the GradScaler and the iteration, so a run
-killed at any moment and resumed with --init_from=resume continues bitwise as if never stopped.
-Resuming with another number of processes also sees the same batches and masks; only float
-summation order changes (gradients summed by all-reduce instead of accumulated locally, and the
-logged loss likewise), so losses then agree to rounding (~1e-6 relative), not bitwise. On
-resume the config's hyperparameters (learning rate, weight decay, ...) apply; the architecture
-is the checkpoint's and may not be changed, except dropout.
-
-Exit codes: 0 done, 1 crash (an uncaught error, or a rank that waited dist_timeout seconds for the
-others), 2 bad config or input, 3 diverged: a non-finite loss or parameter; metrics.jsonl then ends
-with {"kind": "status", "status": "diverged", "iter": N, ...} and the last checkpoint, written from
-finite state only, is kept. Every rank reaches that verdict from all-reduced values, so all stop
-together (torchrun itself then exits 1 and names exit code 3 as the root cause). The step loop has no
-extra host sync: the first non-finite iteration is kept on the device and read at log and eval iterations.
-With skip_nonfinite=N (this project's option; neither Bir et al.'s paper nor the latest version of their
-released code skips) a batch whose loss or gradient is not finite is skipped instead (no update; a
-finite loss can still back-propagate an overflow, so the gradient norm is checked too; one host sync per
-step), up to N times before the run counts as diverged; non-finite parameters still stop it at once, and
-so does a non-finite eval loss at the end of the run or after an interval in which every step was skipped.
-No checkpoint is written from a state whose eval loss is not finite.
-Exit code 4: stopped by SIGTERM or SIGINT, the last completed iteration saved and {"kind": "status",
-"status": "stopped", ...} logged; one process checks after every iteration, several agree at the next
-log line (in the all-reduce they do there anyway). The last checkpoint is kept instead when that state
-may be poisoned (batches skipped as non-finite since the last evaluation); a stop during the setup ends
-the run before its first iteration, with nothing written. A second SIGINT stops at once: exit code 130.
-
-Diagnostics on request (log_diagnostics), written to the eval lines: per-parameter gradient norms
-and the tail of |g|, from the gradients that iteration's step applies, and, on a geodesic model,
-GeoNorm's theta' per layer. Each costs one extra forward (and backward) per evaluation.
+Read top to bottom as nanoGPT's train.py: config, data (lm_task.py, icl_task.py), model and optimizer
+(build), the training loop. What a run guarantees lives beside it: the same batches and dropout masks
+whatever the number of ranks, and bitwise resumes (lm_task.py, resume.py); exit codes, divergence and
+stop signals on which all ranks agree (guards.py); diagnostics on request (diagnostics.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import inspect
 import math
-import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
-from typing import TypeVar
+from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import prepare_data
-from layers import GeodesicStep
-from model import GPT, GPTConfig, block_activation_rms, forward_with_hooks, max_attention_logits
-from run_files import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_NAME,
-    LAST_CHECKPOINT_NAME,
-    METRICS_NAME,
-    MetricsLog,
-    OutDirLock,
-    foreign_checkpoint,
-    load_checkpoint,
-    previous_run_files,
-    remove_previous_run,
-    save_checkpoint,
-    save_latest_checkpoint,
-    save_stop_checkpoint,
+from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics
+from guards import (
+    EXIT_STOPPED,
+    NEVER,
+    Dist,
+    StopSignals,
+    all_ranks,
+    batch_is_finite,
+    check_in,
+    claim_out_dir,
+    eval_divergence,
+    exit_code,
+    lost_ranks_named,
+    nonfinite_state,
+    report_divergence,
+    reuse_freed_memory,
+    setup_distributed,
+    stop_with_checkpoint,
+    stopped_during_setup,
 )
-from train_config import (
-    MODEL_KEYS,
-    OPTIMIZER_KEYS,
-    TRAIN_KEYS,
-    ConfigError,
-    TrainConfig,
-    accumulation_per_rank,
-    load_config,
-    resolve_device,
+from lm_task import Task, check_batch_fits, dropout_seed, make_task, model_inputs, print_sample, val_inputs
+from model import GPT, GPTConfig
+from resume import (
+    check_same_data,
+    checkpoint_to_load,
+    load_optimizer_state,
+    load_weights,
+    open_log,
+    resume_model_args,
+    resume_summary,
+    resumed_settings,
+    save_evaluated,
+    starting_point,
 )
-
-T = TypeVar("T")
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
-EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
-TRAIN_STREAM, VAL_STREAM, DROPOUT_STREAM = 0, 1, 2  # first part of every stream_seed
-NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
-SAMPLE_CHUNK = 64  # tokens of the final sample drawn between checks for a stop signal
-GRAD_HIST_LOG10_EDGES = list(range(-12, 1))  # |g| histogram: <1e-12, [1e-12, 1e-11), ..., >=1
-
-
-# ----------------------------------------------------------------------------- system
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(cfg: TrainConfig) -> tuple[Dist, str]:
-    """Start the process group under torchrun and pick this rank's device."""
-    device = resolve_device(cfg.device)
-    if "RANK" not in os.environ:
-        return Dist(), device
-    ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    backend = "nccl" if device.startswith("cuda") and dist.is_nccl_available() else "gloo"
-    if device.startswith("cuda"):
-        device = f"cuda:{ddp.local_rank}"
-        torch.cuda.set_device(device)
-    # device_id binds NCCL's communicator to this rank's GPU now, not at the first collective
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.dist_timeout),
-                            device_id=torch.device(device) if backend == "nccl" else None)
-    return ddp, device
-
-
-class LostRanks(RuntimeError):
-    """A collective failed: another rank stalled past dist_timeout, or ended. main() prints one line, exit 1."""
-
-
-# how gloo reports a rank that stalled past dist_timeout ("Timed out waiting ...", or "Application timeout
-# caused pair closure" from an async all-reduce's wait) and one that ended ("Connection closed/reset by peer")
-STALLED_SIGNS, ENDED_SIGNS = ("timed out", "timeout caused pair closure"), ("closed by peer", "reset by peer")
-
-
-def lost_ranks(error: RuntimeError, cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> LostRanks | None:
-    """What a failed collective means for the user, or None for an error of another kind (NCCL's watchdog
-    ends the process itself, with its own message)."""
-    what = " ".join(str(error).split())[:200]
-    if any(sign in what.lower() for sign in STALLED_SIGNS):
-        return LostRanks(f"rank {ddp.rank} waited more than dist_timeout={cfg.dist_timeout:g}s for the other ranks: "
-                         "one of them stalled (hung I/O, a stuck device) or died. The last checkpoint is kept; fix "
-                         "the cause and continue with --init_from=resume, or raise --dist_timeout if a step can "
-                         f"legitimately take that long ({what})")
-    if any(sign in what.lower() for sign in ENDED_SIGNS):
-        return LostRanks(f"rank {ddp.rank} lost its connection to another rank, which ended (killed, out of memory, "
-                         "or an error: see that rank's output). The last checkpoint is kept; continue with "
-                         f"--init_from=resume ({what})")
-    if stop.received:  # torchrun sends SIGTERM to the others when a rank ends: they cannot reach a common stop
-        return LostRanks(f"rank {ddp.rank} got {stop.received}, but another rank had ended already ({what}); "
-                         "the last checkpoint is kept")
-    return None
-
-
-def agreed(action: Callable[[], T], device: str, what: str) -> T:
-    """action() on every rank (often rank 0's alone does anything); a ConfigError on any rank stops them all
-    with exit 2, so that none is left waiting in a collective for a rank that has gone."""
-    result, error = None, None
-    try:
-        result = action()
-    except ConfigError as e:
-        error = e
-    ok = torch.tensor(float(error is None), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
-        raise error or ConfigError(f"rank 0 could not {what} (see its message)")
-    return result
-
-
-@contextlib.contextmanager
-def claim_out_dir(out_dir: str, ddp: Dist, device: str):
-    """Rank 0 holds out_dir's lock for the whole run; every rank learns whether it got it, so all stop together."""
-    created = not os.path.exists(out_dir)
-    lock = agreed(lambda: OutDirLock(out_dir) if ddp.master else None, device, f"claim out_dir {out_dir!r}")
-    try:
-        yield
-    finally:
-        if lock is not None:
-            if created and os.listdir(out_dir) == [os.path.basename(lock.path)]:  # a run that wrote nothing
-                os.remove(lock.path)
-                with contextlib.suppress(OSError):
-                    os.rmdir(out_dir)
-            lock.release()
-
-
-class StopSignals:
-    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun) and SIGINT ask
-    the loop to stop after the current iteration with a checkpoint of it; a second SIGINT stops at once
-    (KeyboardInterrupt). The previous handlers come back when the run ends."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():  # Python handles signals only there
-            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = self.received or signal.Signals(signum).name
-
-
-def all_ranks(t: torch.Tensor, ddp: Dist, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce in place (a no-op on one process), so every rank acts on the same value."""
-    if ddp.world_size > 1:
-        dist.all_reduce(t, op=op)
-    return t
-
-
-MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}  # user settings reuse_freed_memory keeps
-
-
-def reuse_freed_memory() -> bool:
-    """Make glibc's malloc keep freed CPU memory for reuse; True if it now does.
-
-    By default glibc gives each block above a self-adjusting threshold (128 KiB, rising up to 32 MiB)
-    its own mmap, unmaps it when freed and trims the heap's free top, so the activation and gradient
-    tensors a CPU step allocates afresh are page-faulted in again every step (at the CPU bench shape
-    2,100 to 13,200 faults and 2 to 26 ms of kernel time per step; see BENCHMARKS.md). Fixing both
-    thresholds keeps blocks up to 32 MiB (glibc's maximum) on the heap and the heap from shrinking, so
-    freed memory is reused; the price is that the process keeps its peak heap size. No effect on GPU
-    memory (torch caches that itself), outside Linux with glibc, or where MALLOC_MMAP_THRESHOLD_ or
-    MALLOC_TRIM_THRESHOLD_ is set (the user's choice stands).
-    """
-    if not sys.platform.startswith("linux") or MALLOC_SETTINGS & os.environ.keys():
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+from run_files import CHECKPOINT_FORMAT, MetricsLog, foreign_checkpoint
+from train_config import OPTIMIZER_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
 
 
 def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:
+    """The config's dtype; auto: bf16 on a GPU that has it, else fp16 (with a loss scaler), float32 on a CPU."""
     if cfg.dtype != "auto":
         return getattr(torch, cfg.dtype)
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
-
-
-def stream_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (numpy's SeedSequence hashing)."""
-    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
-
-
-# ----------------------------------------------------------------------------- data
-
-
-class TextData:
-    """Random windows of a tokenized dataset; window k of iteration i is a pure function of
-    (seed, split, i, k), never of which rank draws it."""
-
-    SPLITS = {"train": TRAIN_STREAM, "val": VAL_STREAM}
-
-    def __init__(self, cfg: TrainConfig, block_size: int, device: str, master: bool):
-        self.path = path = os.path.join(cfg.data_dir, cfg.dataset)
-        if cfg.dataset in prepare_data.EMBEDDED_DATASETS:  # made on first use by rank 0, while the others wait
-            missing = not os.path.exists(os.path.join(path, "meta.json"))
-            agreed(lambda: prepare_embedded(cfg.dataset, cfg.data_dir) if master and missing else None, device,
-                   f"prepare {cfg.dataset}")
-        try:
-            self.meta = prepare_data.load_meta(path)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(str(e)) from None
-        for split in self.SPLITS:  # load_meta checked that the files have these lengths; mmap refuses empty ones
-            if self.meta[f"{split}_tokens"] <= block_size + 1:
-                raise ConfigError(f"block_size={block_size} is too large for {path}/{split}.bin "
-                                  f"({self.meta[f'{split}_tokens']} tokens); use a smaller --block_size")
-        self.arrays = {s: np.memmap(os.path.join(path, f"{s}.bin"), dtype=self.meta["dtype"], mode="r")
-                       for s in self.SPLITS}
-        self.block_size, self.batch_size, self.seed, self.device = block_size, cfg.batch_size, cfg.seed, device
-        check_token_ids(self.meta, self.arrays, path)
-        self.to_compact = None
-        if cfg.compact_vocab:  # model id k stands for dataset id token_ids[k]; one pass over the data
-            used = np.unique(np.concatenate([np.unique(data) for data in self.arrays.values()]))
-            self.meta = {**self.meta, "token_ids": used.tolist()}
-            self.to_compact = np.zeros(self.meta["vocab_size"], dtype=np.int64)
-            self.to_compact[used] = np.arange(len(used))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.meta["token_ids"]) if self.to_compact is not None else self.meta["vocab_size"]
-
-    def batch(self, split: str, iteration: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        data = self.arrays[split]
-        rng = np.random.default_rng(stream_seed(self.seed, self.SPLITS[split], iteration, index))
-        starts = rng.integers(0, len(data) - self.block_size - 1, size=self.batch_size)
-        window = np.stack([data[s: s + self.block_size + 1] for s in starts]).astype(np.int64)
-        if self.to_compact is not None:
-            window = self.to_compact[window]
-        xy = torch.from_numpy(window)
-        if self.device.startswith("cuda"):
-            xy = xy.pin_memory().to(self.device, non_blocking=True)
-        else:
-            xy = xy.to(self.device)
-        return xy[:, :-1], xy[:, 1:]
-
-
-def prepare_embedded(dataset: str, data_dir: str) -> None:
-    """The embedded corpus is small and needs no network: make it now."""
-    path = os.path.join(data_dir, dataset)
-    print(f"preparing the embedded dataset {dataset} in {path} ...")
-    tokenizer = "char" if dataset.endswith("_char") else "gpt2"
-    try:
-        prepare_data.prepare("shakespeare", tokenizer=tokenizer, data_dir=data_dir)
-    except FileExistsError:  # a run started alongside made it meanwhile, or a file stands on the way
-        if not os.path.isdir(path):
-            raise ConfigError(f"cannot prepare {dataset} in {path}: {data_dir} or a folder above it is a file; "
-                              "give a --data_dir that is a folder") from None
-    except OSError as e:
-        raise ConfigError(f"cannot prepare {dataset} in {path} ({e.strerror or e}); give a writable --data_dir "
-                          "(the embedded dataset is prepared there on first use)") from None
-
-
-def check_token_ids(meta: dict, arrays: dict[str, np.ndarray], path: str) -> None:
-    """meta.json's vocab_size is its tokenizer's and every id in the data lies below it; else training would
-    crash on an IndexError, or train to the end and fail at sampling."""
-    rebuild = prepare_data.prepare_command(os.path.basename(path), os.path.dirname(path), force=True)
-    try:
-        prepare_data.tokenizer_from_meta(meta)
-    except (ValueError, RuntimeError) as e:
-        raise ConfigError(f"{path}/meta.json does not fit its tokenizer: {e}. Rebuild it with:\n  {rebuild}") from None
-    for split, data in arrays.items():
-        top = int(data.max())  # one pass over the memmapped file
-        if top >= meta["vocab_size"]:
-            raise ConfigError(f"{path}/{split}.bin holds token id {top}, outside meta.json's vocabulary of "
-                              f"{meta['vocab_size']}. Rebuild it with:\n  {rebuild}")
-
-
-class LanguageModelTask:
-    """Next-token prediction on a prepared dataset."""
-
-    def __init__(self, cfg: TrainConfig, model_args: dict, device: str, master: bool):
-        block_size = model_args.get("block_size", MODEL_KEYS["block_size"].default)
-        self.data = TextData(cfg, block_size, device, master)
-        vocab = self.data.vocab_size
-        # pad big vocabularies to a multiple of 64 for fast matmuls (GPT-2: 50257 -> 50304)
-        self.model_defaults = {"vocab_size": 64 * math.ceil(vocab / 64) if vocab > 1024 else vocab}
-        self.tokens_per_batch = cfg.batch_size * block_size
-        self.eval_iters = cfg.eval_iters
-
-    def train_batch(self, iteration: int, index: int):
-        return self.data.batch("train", iteration, index)
-
-    def loss(self, model, batch) -> torch.Tensor:
-        x, y = batch
-        return model(x, y)[1]
-
-    def eval_batches(self, split: str, ddp: Dist):
-        # the same windows at every evaluation (iteration -1), shared out among the ranks
-        return (self.data.batch(split, -1, k) for k in range(ddp.rank, self.eval_iters, ddp.world_size))
-
-    def eval_splits(self) -> tuple[str, ...]:
-        return ("train", "val")
-
-
-def check_batch_fits(cfg: TrainConfig, model_args: dict, device: str) -> None:
-    """Refuse a batch_size that cannot fit before anything is allocated (else an allocator error, or the kernel's
-    OOM kill). A lower bound: one micro-batch's input to the first block in 2-byte floats, and the ICL task's
-    fixed eval sets in float32."""
-    from icl_task import token_dim
-
-    seq = 2 * cfg.icl_pairs if cfg.task == "icl" else model_args.get("block_size", MODEL_KEYS["block_size"].default)
-    need = cfg.batch_size * seq * model_args.get("n_embd", MODEL_KEYS["n_embd"].default) * 2
-    if cfg.task == "icl":
-        need += 2 * cfg.eval_iters * cfg.batch_size * seq * token_dim() * 4
-    if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(device).total_memory
-    elif device == "cpu":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:
-        return
-    if need > total:
-        raise ConfigError(f"batch_size={cfg.batch_size} needs at least {need / 2**30:,.0f} GiB, more than {device}'s "
-                          f"{total / 2**30:,.0f} GiB of memory; lower --batch_size (and raise "
-                          "--gradient_accumulation_steps to keep the tokens per iteration)")
-
-
-def make_task(cfg: TrainConfig, model_args: dict, device: str, master: bool):
-    if cfg.task == "icl":
-        from icl_task import LeastSquaresTask
-
-        return LeastSquaresTask(cfg, model_args, device)
-    return LanguageModelTask(cfg, model_args, device, master)
-
-
-def model_inputs(batch) -> torch.Tensor:
-    return batch[0] if isinstance(batch, tuple) else batch.tokens
-
-
-def val_inputs(task) -> torch.Tensor:
-    """The inputs of the first val batch: the fixed batch of the per-block diagnostics."""
-    return model_inputs(next(iter(task.eval_batches("val", Dist()))))
-
-
-# ----------------------------------------------------------------------------- resume and state
-
-
-def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict) -> dict:
-    """The checkpoint's architecture, after checking that this run's settings fit it."""
-    saved, old = checkpoint["model_args"], checkpoint["config"]
-    if old["optimizer"] != cfg.optimizer and cfg.init_from != "eval":
-        raise ConfigError(f"the checkpoint was trained with optimizer={old['optimizer']!r}, this run asks for "
-                          f"{cfg.optimizer!r}; its optimizer state would not fit. Pass --optimizer={old['optimizer']}")
-    wanted = {**task.model_defaults, **model_args}
-    clash = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in wanted.items()
-             if k != "dropout" and saved.get(k) != v]
-    if clash:
-        raise ConfigError(f"cannot resume: the checkpoint's model has {', '.join(clash)}. A resumed run keeps the "
-                          "checkpoint's model and data layout (only dropout may change); drop those settings "
-                          "or start a new run with another --out_dir")
-    return {**saved, **{k: v for k, v in model_args.items() if k == "dropout"}}
-
-
-def nonfinite_state(model: GPT, optimizer) -> list[str]:
-    """Names of parameters (and optimizer states) holding a NaN or inf; [] when all is finite."""
-    tensors = dict(model.named_parameters())
-    names = {p: n for n, p in tensors.items()}
-    for p, state in optimizer.state.items():
-        tensors.update({f"{names.get(p, '?')} ({k})": t for k, t in state.items()
-                        if torch.is_tensor(t) and t.is_floating_point()})
-    device = next(model.parameters()).device
-    finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()]).tolist()
-    return [name for name, ok in zip(tensors, finite, strict=True) if not ok]
-
-
-# ----------------------------------------------------------------------------- schedule and logging
 
 
 def lr_multiplier(cfg: TrainConfig, it: int) -> float:
@@ -469,87 +99,9 @@ def lr_multiplier(cfg: TrainConfig, it: int) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
 
 
-
-# Datasheet dense peaks in TFLOP/s (bf16/fp16, TF32, plain fp32), matched against the device name in this order
-GPU_PEAKS = (("H100 NVL", (835, 418, 60)), ("H100 PCIe", (756, 378, 51)), ("H200 NVL", (835, 418, 60)),
-             ("H100", (989, 495, 67)), ("H200", (989, 495, 67)), ("GH200", (989, 495, 67)), ("A100", (312, 156, 19.5)),
-             ("L40S", (362, 183, 91.6)), ("A10", (125, 62.5, 31.2)), ("4090", (165, 82.6, 82.6)),
-             ("3090", (71, 35.6, 35.6)), ("V100", (125, 15.7, 15.7)))
-
-
-def device_peak_flops(device: str, dtype: torch.dtype = torch.float32) -> float:
-    """The matmul peak the run's dtype can reach: on a known GPU the datasheet dense rate for bf16/fp16, for
-    float32 on TF32 tensor cores (torch's float32 matmul precision "high" or "medium") or in plain float32;
-    on a CPU, the matmul peak in `dtype` measured now. Half precision without native CPU support is emulated
-    (seconds per matmul, no real peak): float32 then."""
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(device)
-        peaks = next((p for key, p in GPU_PEAKS if key in name), None)
-        if peaks is None:
-            return float("nan")
-        tf32 = torch.get_float32_matmul_precision() != "highest"
-        return 1e12 * (peaks[0] if dtype in (torch.bfloat16, torch.float16) else peaks[1] if tf32 else peaks[2])
-    if device != "cpu":
-        return float("nan")
-    if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        dtype = torch.float32
-    n = 2048  # large enough to reach the peak (1024^2 reaches about half of it in float32 here)
-    a = torch.randn(n, n, dtype=dtype)
-    a @ a  # warm-up
-    best = float("inf")
-    for _ in range(4):  # the fastest of a few repeats: the least disturbed by other processes
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-# ----------------------------------------------------------------------------- diagnostics
-
-
-@torch.no_grad()
-def gradient_statistics(model: GPT, grad_scale: float = 1.0) -> dict:
-    """Per-parameter gradient norms and the tail of |g| over all entries (DNT Fig. 1): kurtosis
-    (3 for a Gaussian), the 99.9th percentile over the median (inf if most entries are 0), a
-    log10-spaced histogram. Needs two float32 copies of the gradients, briefly."""
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    norms = (torch.stack([t.float().norm() for t in grads.values()]) / grad_scale).tolist()
-    g = torch.cat([t.flatten().float() for t in grads.values()]).div_(grad_scale)
-    centered = g - g.mean()
-    variance = centered.square_().mean()
-    kurtosis = centered.square_().mean() / variance.square()  # E[(g - mean)^4] / Var^2
-    del centered
-    a = g.abs_()
-    median, q999 = (a.kthvalue(max(1, math.ceil(q * a.numel()))).values for q in (0.5, 0.999))
-    below = [int((a < 10.0**e).sum()) for e in GRAD_HIST_LOG10_EDGES]
-    hist = [hi - lo for lo, hi in zip([0, *below], [*below, a.numel()], strict=True)]
-    return {"grad_norms": dict(zip(grads, norms, strict=True)), "grad_kurtosis": kurtosis.item(),
-            "grad_tail_ratio": (q999 / median).item(), "grad_abs_hist": hist,
-            "grad_abs_hist_log10_edges": GRAD_HIST_LOG10_EDGES}
-
-
-@torch.no_grad()
-def geonorm_angles(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
-    """GeoNorm's applied angle theta' (GeoNorm eq. 5) of each residual update on one batch, mean
-    and max over tokens: geonorm_theta_{attn,mlp}_{mean,max}, one value per layer."""
-    stats: dict[str, list] = {f"geonorm_theta_{u}_{s}": [] for u in ("attn", "mlp") for s in ("mean", "max")}
-
-    def hook(name: str):
-        def record(step: GeodesicStep, args: tuple, output: torch.Tensor) -> None:
-            theta = step.angle(*args)[0].float()
-            stats[f"geonorm_theta_{name}_mean"].append(theta.mean())
-            stats[f"geonorm_theta_{name}_max"].append(theta.max())
-        return record
-
-    forward_with_hooks(model, inputs, [getattr(block, u).combine.register_forward_hook(hook(u))
-                                       for block in model.blocks for u in ("attn", "mlp")])
-    return {k: torch.stack(v).tolist() for k, v in stats.items()}
-
-
-# ----------------------------------------------------------------------------- training
-
-
-def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dict | None):
+def build(cfg: TrainConfig, model_args: dict, task: Task, device: str,
+          checkpoint: dict | None) -> tuple[GPTConfig, GPT, torch.optim.Optimizer]:
+    """The model and its optimizer, from the config or, resumed, from the checkpoint (checked first)."""
     import optim
 
     if checkpoint is not None:
@@ -574,24 +126,15 @@ def build(cfg: TrainConfig, model_args: dict, task, device: str, checkpoint: dic
         raise ConfigError(f"the model (n_layer={gptconf.n_layer}, n_embd={gptconf.n_embd}, vocab_size="
                           f"{gptconf.vocab_size}) does not fit in {device}'s memory; make it smaller") from None
     if checkpoint is not None:
-        try:
-            model.load_state_dict(checkpoint["model"])
-        except RuntimeError as e:  # missing, extra or misshapen weights
-            raise foreign_checkpoint(cfg.out_dir, e) from None
+        load_weights(model, checkpoint, cfg.out_dir)
     try:
         optimizer = optim.build_optimizer(
             model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
             betas=cfg.betas, device_type=device.split(":")[0], **{k: getattr(cfg, k) for k in OPTIMIZER_KEYS})
-    except ValueError as e:  # an option the optimizer refuses (e.g. decay on Manifold Muon's matrices)
+    except ValueError as e:  # an option the optimizer refuses
         raise ConfigError(f"optimizer {cfg.optimizer}: {e}") from None
-    if checkpoint is not None and cfg.init_from != "eval":  # evaluation needs no optimizer state
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        try:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as e:  # groups or state that do not match the parameters
-            raise foreign_checkpoint(cfg.out_dir, e) from None
-        for group, fresh in zip(optimizer.param_groups, settings, strict=True):
-            group.update(fresh)  # the config's hyperparameters win over the checkpoint's
+    if checkpoint is not None:
+        load_optimizer_state(optimizer, checkpoint, cfg)
     return gptconf, model, optimizer
 
 
@@ -613,13 +156,14 @@ def wrap_model(model: GPT, ddp: Dist, device_type: str, compiled: bool) -> torch
     return torch.compile(model) if compiled else model
 
 
-def forward_backward(model, task, ddp: Dist, accum: int, it: int, scaler, autocast, seed: int) -> torch.Tensor:
+def forward_backward(model: torch.nn.Module, task: Task, ddp: Dist, accum: int, it: int, scaler, autocast,
+                     seed: int) -> torch.Tensor:
     """Accumulate the gradients of iteration `it` over this rank's micro-batches; returns its mean loss.
     Global micro-batch k sees the data and dropout masks of (seed, it, k), whatever the world size."""
     loss_sum = None
     for micro in range(accum):
         k = ddp.rank * accum + micro
-        torch.manual_seed(stream_seed(seed, DROPOUT_STREAM, it, k))
+        torch.manual_seed(dropout_seed(seed, it, k))
         batch = task.train_batch(it, k)
         sync = micro == accum - 1 or ddp.world_size == 1
         with (nullcontext() if sync else model.no_sync()), autocast:
@@ -630,7 +174,7 @@ def forward_backward(model, task, ddp: Dist, accum: int, it: int, scaler, autoca
 
 
 @torch.no_grad()
-def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
+def evaluate(model: torch.nn.Module, raw_model: GPT, task: Task, ddp: Dist, autocast) -> dict:
     """Mean loss per split, averaged over all ranks' batches; plus the task's extra metrics."""
     model.eval()
     out = {}
@@ -643,205 +187,55 @@ def evaluate(model, raw_model: GPT, task, ddp: Dist, autocast) -> dict:
         out[f"{split}_loss"] = (total[0] / total[1]).item()
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
-    # residual-stream RMS after each block on one val batch (Bir et al. Fig. 3), and each block's largest
-    # attention logit on it (the growth QK-norm bounds)
-    inputs = val_inputs(task)
-    out["block_rms"] = block_activation_rms(raw_model, inputs)
-    out["attn_logit_max"] = max_attention_logits(raw_model, inputs)
+    out.update(residual_stream_metrics(raw_model, val_inputs(task)))
     model.train()
     return out
 
 
-def batch_is_finite(loss_sum: torch.Tensor, grad_norm: torch.Tensor, scaler) -> torch.Tensor:
-    """1.0 when the batch's loss and gradients are finite, else 0.0. A finite loss can still back-propagate
-    an overflow; its update would put inf or NaN into the weights. (fp16's loss scaler skips such
-    steps itself and lowers its scale, so there only the loss counts.)"""
-    finite = loss_sum.isfinite()
-    if not scaler.is_enabled():
-        finite = finite & grad_norm.isfinite()
-    return finite.float()
+def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
+    """Whether the loop evaluates at `iteration`: every eval_interval, at the end, and only there to evaluate."""
+    return iteration % cfg.eval_interval == 0 or iteration >= cfg.max_iters or cfg.init_from == "eval"
 
 
-def check_in(first_bad: torch.Tensor, stop: StopSignals, ddp: Dist) -> tuple[int | None, bool]:
-    """The earliest iteration, over all ranks, whose training loss was not finite, and whether any rank was
-    asked to stop: one all-reduce and one host sync, so that every rank acts on the same answer."""
-    state = torch.stack([first_bad, torch.tensor(-int(stop.received is not None), device=first_bad.device)])
-    bad, stop_flag = all_ranks(state, ddp, dist.ReduceOp.MIN).tolist()
-    return (None if bad == NEVER else bad), stop_flag < 0
+@dataclass
+class LoopState:
+    """A run once set up: what the training loop works with, and where it stands."""
 
+    cfg: TrainConfig
+    ddp: Dist
+    device: str
+    stop: StopSignals
+    task: Task
+    raw_model: GPT
+    model: torch.nn.Module  # raw_model as trained: wrapped by DDP and compiled, as set up
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: contextlib.AbstractContextManager
+    accum: int  # micro-batches per rank and iteration
+    log: MetricsLog
+    tokens_per_iter: int
+    flops_per_iter: float
+    peak: float  # matmul peak of all ranks together, FLOP/s
+    iter_num: int
+    best_val: float
+    skipped: int  # batches whose update was dropped
+    start_evaluated: bool  # False: a stop save at an eval iteration, before its evaluation; it is evaluated and saved
+    start_iter: int = field(init=False)
+    eval_iter: int = field(init=False)  # the last evaluation's iteration, skipped count and verdict, for the next
+    eval_skipped: int = field(init=False)
+    eval_finite: bool = True
+    first_bad: torch.Tensor = field(init=False)  # the first iteration with a non-finite training loss, on the device
+    t_last: float = field(default_factory=time.perf_counter)
+    iters_since_log: int = 0
 
-def eval_divergence(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, skips: int) -> str | None:
-    """Why a non-finite eval loss ends the run, or None (a finite loss, or skip_nonfinite may still recover).
-    `steps` iterations ran since the previous evaluation and `skips` of them were skipped."""
-    if finite:
-        return None
-    if not cfg.skip_nonfinite:
-        return "non-finite eval loss or state"
-    if at_end:
-        return "non-finite eval loss at the end of the run"
-    if steps and skips == steps:  # the weights cannot change any more
-        return f"non-finite eval loss, and all {steps} steps since the last evaluation skipped"
-    return None
-
-
-def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
-                      inputs: torch.Tensor) -> int:
-    """Say where the run blew up: the non-finite parameters, or, while they are all still finite, the
-    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports."""
-    if ddp.master:
-        bad = nonfinite_state(model, optimizer)
-        if bad:  # one non-finite loss reaches every weight through the backward and the step
-            more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-            block, where = None, f"; non-finite: {', '.join(bad[:4])}{more}"
-        else:
-            rms = block_activation_rms(model, inputs)  # in eval mode
-            block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
-            where = f"; activations first non-finite after block {block}" if block is not None else ""
-        kept = ("the last checkpoint, written from finite state, is kept" if os.path.exists(log.checkpoint_path)
-                else "no checkpoint had been written")
-        print(f"diverged at iter {iteration}: {reason}{where}. Stopped; {kept}", file=sys.stderr)
-        log.write(kind="status", status="diverged", iter=iteration, reason=reason, block=block,
-                  nonfinite=bad[:8], n_nonfinite=len(bad))
-    if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
-        dist.barrier()
-    return EXIT_DIVERGED
-
-
-def train(argv: list[str]) -> int:
-    cfg, model_args = load_config(argv)
-    checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
-    reuse_freed_memory()
-    ddp, device = setup_distributed(cfg)
-    stop = StopSignals()
-    try:
-        with claim_out_dir(cfg.out_dir, ddp, device), stop:
-            return run(cfg, model_args, ddp, device, stop)
-    except RuntimeError as e:
-        lost = lost_ranks(e, cfg, ddp, stop) if ddp.world_size > 1 else None
-        if lost is None:
-            raise
-        raise lost from None
-
-
-def checkpoint_to_load(cfg: TrainConfig) -> str | None:
-    """The checkpoint a resumed or eval-only run starts from (the stop save when it is the newer, see
-    save_stop_checkpoint); None for a new run. Checked before out_dir is claimed, so a mistyped out_dir
-    is not created."""
-    if cfg.init_from == "scratch":
-        return None
-    last = os.path.join(cfg.out_dir, LAST_CHECKPOINT_NAME)
-    if cfg.init_from == "resume" and os.path.isfile(last):
-        return last
-    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
-    if not os.path.exists(ckpt_path):
-        needs = "init_from='eval' evaluates out_dir's checkpoint" if cfg.init_from == "eval" else "init_from='resume'"
-        raise ConfigError(f"{needs}, but there is no checkpoint at {ckpt_path}; train one first "
-                          "(init_from='scratch') or fix --out_dir")
-    return ckpt_path
-
-
-def starting_point(cfg: TrainConfig, device: str) -> dict | None:
-    """The checkpoint a resumed or eval-only run starts from; None for a new run, which may replace an earlier
-    run's files (checkpoints, or only a metrics.jsonl) only with --overwrite=True."""
-    path = checkpoint_to_load(cfg)
-    if path is not None:
-        try:
-            return checked_contents(load_checkpoint(path, device), cfg)
-        except ConfigError as e:
-            if os.path.basename(path) != LAST_CHECKPOINT_NAME:
-                raise
-            # the best evaluation's ckpt.pt is still there to go back to
-            raise ConfigError(f"{e}; or delete {path} and its .sha256 to resume from {CHECKPOINT_NAME}, the best "
-                              "evaluation's checkpoint") from None
-    found = previous_run_files(cfg.out_dir)
-    earlier = [name for name in found if name.endswith(".pt") or name == METRICS_NAME]
-    if earlier and not cfg.overwrite:
-        raise ConfigError(f"an earlier run already exists in {cfg.out_dir} ({', '.join(earlier)}); continue "
-                          "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
-                          "its checkpoints and metrics and start anew")
-    folders = [name for name in found if os.path.isdir(os.path.join(cfg.out_dir, name))]
-    if folders:  # a new run deletes the earlier run's files, not folders: refuse now, not after the setup
-        raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and a new run "
-                          "deletes files only; move it away or choose another --out_dir")
-    return None
-
-
-# what a resumed run reads, and its type (an evaluation reads all but the optimizer state)
-CHECKPOINT_FIELDS = {"model": dict, "optimizer": dict, "model_args": dict, "config": dict, "iter_num": int,
-                     "best_val_loss": float}
-
-
-def checked_contents(checkpoint: dict, cfg: TrainConfig) -> dict:
-    """The checkpoint, if it holds every field this resumed or eval-only run reads (checked before anything is
-    built)."""
-    needed = {k: kind for k, kind in CHECKPOINT_FIELDS.items() if k != "optimizer" or cfg.init_from != "eval"}
-    wrong = [k for k, kind in needed.items() if not isinstance(checkpoint.get(k), kind)]
-    if wrong:
-        raise foreign_checkpoint(cfg.out_dir, KeyError(f"{', '.join(wrong)} missing or of another type"))
-    return checkpoint
-
-
-def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None) -> tuple[TrainConfig, dict]:
-    """The config and model keys the task is built from: a resumed or eval-only run keeps the checkpoint's
-    compact_vocab, and its block_size and other model keys unless it sets them (a clash stops in
-    resume_model_args); its task must be this run's."""
-    if checkpoint is None:
-        return cfg, model_args
-    task = checkpoint["config"].get("task", "lm")
-    if task != cfg.task:
-        raise ConfigError(f"the checkpoint was trained on task={task!r}, this run asks for task={cfg.task!r}; its "
-                          f"model does not fit the other task's inputs. Pass --task={task}, or start a new run "
-                          "with another --out_dir")
-    compact = checkpoint["config"].get("compact_vocab", False)
-    if cfg.compact_vocab and not compact:
-        raise ConfigError("cannot resume: the checkpoint was trained without compact_vocab, so its model has "
-                          "the full vocabulary; drop --compact_vocab or start a new run with another --out_dir")
-    return replace(cfg, compact_vocab=compact), {**checkpoint["model_args"], **model_args}
-
-
-SPLIT_FINGERPRINT = ("train_tokens", "val_tokens", "train_sha256", "val_sha256")  # meta.json's, per split
-
-
-def short(value: object) -> str:
-    """A meta.json value for a message: a digest by its first 12 hex digits."""
-    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else repr(value)
-
-
-def check_same_data(cfg: TrainConfig, checkpoint: dict, task) -> None:
-    """A resumed or evaluated model reads token ids as its training data defined them: another dataset is
-    fine only if the same ids mean the same tokens (same tokenizer, characters and compact ids). The
-    checkpoint's own dataset, prepared again since from other text, is refused: the run would go on (or be
-    evaluated) on data other than the data its log and checkpoint name."""
-    saved = checkpoint.get("data_meta")
-    if saved is None or not hasattr(task, "data"):
-        return
-    keys = ("tokenizer", "vocab_size", "chars", "token_ids")
-    differ = [k for k in keys if saved.get(k) != task.data.meta.get(k)]
-    same_name = checkpoint["config"].get("dataset") == cfg.dataset
-    if differ and same_name:
-        raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(differ)} "
-                          "differ), so the model would read the wrong tokens; prepare the data as it was, or start "
-                          "a new run with another --out_dir")
-    if differ:
-        raise ConfigError(f"{task.data.path} does not encode text as the checkpoint's training data did ("
-                          f"{', '.join(differ)} differ), so the model would read the wrong tokens; use the dataset "
-                          f"it was trained on (--dataset={checkpoint['config']['dataset']}) or start a new run "
-                          "with another --out_dir")
-    if not same_name:
-        return
-    # the token files' counts and digests, not the source: meta.json records --input as typed, so the same
-    # file from another folder differs there; a dataset prepared before digests were recorded has counts only
-    now = task.data.meta
-    changed = [f"{k} {short(saved[k])} -> {short(now[k])}" for k in SPLIT_FINGERPRINT
-               if k in saved and k in now and saved[k] != now[k]]
-    if changed:
-        raise ConfigError(f"{task.data.path} was prepared again since this checkpoint was saved ({', '.join(changed)})"
-                          ", so the run would not go on with the data it was trained on; prepare the data as it was, "
-                          "or start a new run with another --out_dir (to train on the new text from this checkpoint, "
-                          "prepare it under another dataset name and pass --dataset)")
+    def __post_init__(self) -> None:
+        self.start_iter = self.eval_iter = self.iter_num
+        self.eval_skipped = self.skipped
+        self.first_bad = torch.full((), NEVER, dtype=torch.int64, device=self.device)  # no sync per step
 
 
 def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSignals) -> int:
+    """Set up the task, the model, the optimizer and the log (checking a resumed run's checkpoint first), and train."""
     accum = accumulation_per_rank(cfg, ddp.world_size)
     checkpoint = starting_point(cfg, device)
     cfg, task_args = resumed_settings(cfg, model_args, checkpoint)
@@ -850,12 +244,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     if checkpoint is not None:
         check_same_data(cfg, checkpoint, task)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
-    if all_ranks(torch.tensor(float(stop.received is not None), device=device), ddp).item():  # a long setup
-        if ddp.master:
-            print(f"{stop.received or 'a stop signal on another rank'}: stopped during setup, before the first "
-                  "iteration; nothing was changed", file=sys.stderr)
+    if stopped_during_setup(stop, ddp, device):
         return EXIT_STOPPED
-    raw_model = model
     dtype = autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
@@ -865,213 +255,180 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     if checkpoint is not None and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
     compiled = cfg.compile if cfg.compile is not None else device_type == "cuda"
-    model = wrap_model(model, ddp, device_type, compiled)
-
-    start_iter = iter_num = checkpoint["iter_num"] if checkpoint else 0
-    # a stop save at an evaluation iteration precedes its evaluation: the resumed run evaluates and saves it
-    start_evaluated = checkpoint is None or checkpoint.get("evaluated", True)
-    skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # batches whose update was dropped
-    best_val = checkpoint["best_val_loss"] if checkpoint else float("inf")
-    if ddp.master and checkpoint is None:  # everything is ready: the earlier run's files go now, not before
-        removed = remove_previous_run(cfg.out_dir)
-        if removed:
-            print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    log = agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and cfg.init_from != "eval",
-                                    iter_num if checkpoint else None,
-                                    reevaluates=evaluates_at(cfg, iter_num),  # its line is written again
-                                    logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
-                 device, f"continue {METRICS_NAME}")
+    wrapped = wrap_model(model, ddp, device_type, compiled)
+    iter_num = checkpoint["iter_num"] if checkpoint else 0
+    log = open_log(cfg, ddp, device, checkpoint, reevaluates=evaluates_at(cfg, iter_num))
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
-    flops_per_iter = raw_model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
+    flops_per_iter = model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     peak = device_peak_flops(device, dtype) * ddp.world_size
     if ddp.master:
-        has_norm = any("norm" in n and not isinstance(m, torch.nn.Identity) for n, m in raw_model.named_modules())
+        has_norm = any("norm" in n and not isinstance(m, torch.nn.Identity) for n, m in model.named_modules())
         norms = f" / {gptconf.norm}" if has_norm else ", no norms"
-        print(f"{gptconf.norm_scheme}{norms}: {raw_model.get_num_params() / 1e6:.2f}M parameters, "
+        print(f"{gptconf.norm_scheme}{norms}: {model.get_num_params() / 1e6:.2f}M parameters, "
               f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
         if checkpoint:
-            changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
-                       if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
-            print(f"{'evaluating' if cfg.init_from == 'eval' else 'resuming'} at iter {iter_num} "
-                  f"(saved by {checkpoint['world_size']} process(es))"
-                  + (f"; changed: {', '.join(changed)}" if changed else ""))
+            print(resume_summary(cfg, checkpoint))
             if log.moved:
                 print(log.moved)
+    return train_loop(LoopState(
+        cfg, ddp, device, stop, task, model, wrapped, optimizer, scaler, autocast, accum, log,
+        tokens_per_iter, flops_per_iter, peak, iter_num,
+        best_val=checkpoint["best_val_loss"] if checkpoint else float("inf"),
+        skipped=checkpoint.get("skipped_steps", 0) if checkpoint else 0,
+        start_evaluated=checkpoint is None or checkpoint.get("evaluated", True)))
 
-    def checkpoint_state(evaluated: bool = True) -> dict:
-        """evaluated: saved after the evaluation at iter_num (a stop save may come before it)."""
-        return {"format": CHECKPOINT_FORMAT, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(), "iter_num": iter_num, "best_val_loss": best_val,
-                "model_args": asdict(gptconf), "config": asdict(cfg), "world_size": ddp.world_size,
-                "skipped_steps": skipped, "evaluated": evaluated, "metrics_lines": log.lines,
-                **({"data_meta": task.data.meta} if cfg.task == "lm" else {})}
 
-    # the first iteration with a non-finite training loss, kept on the device: no sync per step
-    first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
-    t_last, iters_since_log = time.perf_counter(), 0
-    eval_iter, eval_skipped, eval_finite = iter_num, skipped, True  # the last evaluation's, for the next one
+def train_loop(s: LoopState) -> int:
+    """Evaluate, step and log until max_iters; the exit code (0, or a divergence or a stop: see guards.py)."""
+    cfg, model, optimizer, scaler = s.cfg, s.model, s.optimizer, s.scaler
     while True:
-        if evaluates_at(cfg, iter_num):
-            metrics = evaluate(model, raw_model, task, ddp, autocast)
-            # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
-            finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in task.eval_splits())
-            reason = eval_divergence(cfg, finite, iter_num >= cfg.max_iters or cfg.init_from == "eval",
-                                     iter_num - eval_iter, skipped - eval_skipped)
-            eval_iter, eval_skipped, eval_finite = iter_num, skipped, finite
-            if all_ranks(torch.tensor(float(reason is not None or bool(nonfinite_state(raw_model, optimizer))),
-                                      device=device), ddp).item():
-                return report_divergence(log, ddp, iter_num, reason or "non-finite eval loss or state", raw_model,
-                                         optimizer, val_inputs(task))
-            if cfg.log_diagnostics and raw_model.config.scheme.combine == "geodesic":
-                metrics.update(geonorm_angles(raw_model, val_inputs(task)))
-            if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
-                forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
-                if ddp.master:
-                    metrics.update(gradient_statistics(raw_model, scaler.get_scale() if scaler.is_enabled() else 1.0))
-                optimizer.zero_grad(set_to_none=True)
-            if ddp.master:
-                print(f"iter {iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                       if isinstance(v, float)))
-                improved = metrics["val_loss"] < best_val
-                best_val = min(best_val, metrics["val_loss"])
-                if (iter_num > start_iter or not start_evaluated) and cfg.init_from != "eval" and finite:
-                    save_evaluated(cfg, iter_num, checkpoint_state, cfg.always_save_checkpoint or improved)
-                log.write(kind="eval", iter=iter_num, **metrics)  # after the save: a logged eval has its checkpoint
-            t_last = time.perf_counter()  # evaluation time is not training time
-        if iter_num >= cfg.max_iters or cfg.init_from == "eval":
+        if evaluates_at(cfg, s.iter_num):
+            code = evaluate_and_save(s)
+            if code is not None:
+                return code
+        if s.iter_num >= cfg.max_iters or cfg.init_from == "eval":
             break
 
-        mult = lr_multiplier(cfg, iter_num)
+        mult = lr_multiplier(cfg, s.iter_num)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * mult
-        loss_sum = forward_backward(model, task, ddp, accum, iter_num, scaler, autocast, cfg.seed)
+        loss_sum = forward_backward(model, s.task, s.ddp, s.accum, s.iter_num, scaler, s.autocast, cfg.seed)
         grad_norm = None
         if cfg.grad_clip > 0 or cfg.skip_nonfinite:  # one norm serves the skip check and the clipping
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), ddp,
+        if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), s.ddp,
                                                 dist.ReduceOp.MIN).item():
-            optimizer.zero_grad(set_to_none=True)  # drop this batch's update; a sync per step
-            if scaler.is_enabled():
-                scaler.update()  # closes the unscale_ above (and lowers the fp16 loss scale)
-            skipped += 1
-            if skipped > cfg.skip_nonfinite:
-                return report_divergence(log, ddp, iter_num + 1, f"more than {cfg.skip_nonfinite} non-finite losses "
-                                         "skipped", raw_model, optimizer, model_inputs(task.train_batch(iter_num, 0)))
+            code = skip_batch(s)  # a sync per step
+            if code is not None:
+                return code
         else:
-            first_bad = torch.where(loss_sum.isfinite(), first_bad, first_bad.clamp(max=iter_num))
+            s.first_bad = torch.where(loss_sum.isfinite(), s.first_bad, s.first_bad.clamp(max=s.iter_num))
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            raw_model.apply_parameter_constraints()
-        iter_num += 1
-        iters_since_log += 1
-        if iter_num == start_iter + 1:  # the first step compiles and warms up: keep it out of ms/iter and MFU
-            t_last, iters_since_log = time.perf_counter(), 0
+            s.raw_model.apply_parameter_constraints()
+        s.iter_num += 1
+        s.iters_since_log += 1
+        if s.iter_num == s.start_iter + 1:  # the first step compiles and warms up: keep it out of ms/iter and MFU
+            s.t_last, s.iters_since_log = time.perf_counter(), 0
 
-        log_now = iter_num % cfg.log_interval == 0
+        log_now = s.iter_num % cfg.log_interval == 0
         # before any log or save; one process also checks for a stop signal after every step (no sync needed),
         # several at these points only, where they sync anyway
         stop_now = False
-        if (log_now or iter_num % cfg.eval_interval == 0 or iter_num >= cfg.max_iters
-                or (ddp.world_size == 1 and stop.received)):
-            bad_iter, stop_now = check_in(first_bad, stop, ddp)  # the same on every rank, so all stop together
+        if (log_now or s.iter_num % cfg.eval_interval == 0 or s.iter_num >= cfg.max_iters
+                or (s.ddp.world_size == 1 and s.stop.received)):
+            bad_iter, stop_now = check_in(s.first_bad, s.stop, s.ddp)  # the same on every rank: all stop together
             if bad_iter is not None:
-                return report_divergence(log, ddp, bad_iter + 1, "non-finite training loss", raw_model, optimizer,
-                                         model_inputs(task.train_batch(bad_iter, 0)))
+                return report_divergence(s.log, s.ddp, bad_iter + 1, "non-finite training loss", s.raw_model,
+                                         optimizer, model_inputs(s.task.train_batch(bad_iter, 0)))
         if log_now:
-            lossf = (all_ranks(loss_sum, ddp) / ddp.world_size).item()  # the global batch's loss
-            speed = {}
-            if iters_since_log:  # none yet right after the first step, which is not timed
-                dt = (time.perf_counter() - t_last) / iters_since_log
-                speed = {"ms_per_iter": dt * 1000, "tokens_per_s": tokens_per_iter / dt,
-                         "mfu": flops_per_iter / dt / peak}
-            t_last, iters_since_log = time.perf_counter(), 0
-            if ddp.master:
-                timing = (f", {speed['ms_per_iter']:.1f} ms/iter, {speed['tokens_per_s']:,.0f} tok/s, "
-                          f"mfu {100 * speed['mfu']:.1f}%") if speed else ""
-                print(f"iter {iter_num}: loss {lossf:.4f}, lr {optimizer.param_groups[0]['lr']:.3g}{timing}")
-                log.write(kind="train", iter=iter_num, loss=lossf, lr=optimizer.param_groups[0]["lr"], **speed,
-                          **({"skipped": skipped} if cfg.skip_nonfinite else {}))
+            log_progress(s, loss_sum)
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
-            # no save from a state that may be poisoned: a non-finite last evaluation or state, or skipped batches
-            unsaved = ("its state is not finite" if not eval_finite or nonfinite_state(raw_model, optimizer) else
-                       "non-finite batches were skipped since the last evaluation" if skipped > eval_skipped else None)
-            state = checkpoint_state(evaluated=False) if unsaved is None else None
-            return stop_with_checkpoint(log, ddp, stop, iter_num, state, cfg, unsaved)
+            return stop_after_iteration(s)
 
-    if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
-        print_sample(raw_model, task.data.meta, cfg.sample_tokens, device, stop)
+    if s.ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
+        print_sample(s.raw_model, s.task.data.meta, cfg.sample_tokens, s.device, s.stop)
     return 0
 
 
-def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
-    """Whether the loop evaluates at `iteration`: every eval_interval, at the end, and only there to evaluate."""
-    return iteration % cfg.eval_interval == 0 or iteration >= cfg.max_iters or cfg.init_from == "eval"
+def evaluate_and_save(s: LoopState) -> int | None:
+    """Evaluate at s.iter_num: a non-finite loss or state ends the run as diverged (its exit code returned);
+    else rank 0 prints and logs the evaluation, and saves a checkpoint of it first."""
+    cfg = s.cfg
+    metrics = evaluate(s.model, s.raw_model, s.task, s.ddp, s.autocast)
+    # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
+    finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in s.task.eval_splits())
+    reason = eval_divergence(cfg, finite, s.iter_num >= cfg.max_iters or cfg.init_from == "eval",
+                             s.iter_num - s.eval_iter, s.skipped - s.eval_skipped)
+    s.eval_iter, s.eval_skipped, s.eval_finite = s.iter_num, s.skipped, finite
+    if all_ranks(torch.tensor(float(reason is not None or bool(nonfinite_state(s.raw_model, s.optimizer))),
+                              device=s.device), s.ddp).item():
+        return report_divergence(s.log, s.ddp, s.iter_num, reason or "non-finite eval loss or state", s.raw_model,
+                                 s.optimizer, val_inputs(s.task))
+    if cfg.log_diagnostics and s.raw_model.config.scheme.combine == "geodesic":  # GeoNorm's angles
+        metrics.update(geonorm_angles(s.raw_model, val_inputs(s.task)))
+    if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
+        forward_backward(s.model, s.task, s.ddp, s.accum, s.iter_num, s.scaler, s.autocast, cfg.seed)
+        if s.ddp.master:
+            metrics.update(gradient_statistics(s.raw_model, s.scaler.get_scale() if s.scaler.is_enabled() else 1.0))
+        s.optimizer.zero_grad(set_to_none=True)
+    if s.ddp.master:
+        print(f"iter {s.iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+        improved = metrics["val_loss"] < s.best_val
+        s.best_val = min(s.best_val, metrics["val_loss"])
+        if (s.iter_num > s.start_iter or not s.start_evaluated) and cfg.init_from != "eval" and finite:
+            save_evaluated(cfg, s.iter_num, lambda: checkpoint_state(s), cfg.always_save_checkpoint or improved)
+        s.log.write(kind="eval", iter=s.iter_num, **metrics)  # after the save: a logged eval has its checkpoint
+    s.t_last = time.perf_counter()  # evaluation time is not training time
+    return None
 
 
-def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state, latest: bool) -> None:
-    """After a finite evaluation: ckpt_<iter>.pt every keep_every iterations (first, so that a kill between
-    the two saves loses neither), and ckpt.pt if `latest` (always_save_checkpoint, or a better val loss)."""
-    keep = cfg.keep_every and iteration % cfg.keep_every == 0
-    state = checkpoint_state() if keep or latest else None
-    if keep:
-        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iteration}.pt"), state)
-    if latest:
-        save_latest_checkpoint(cfg.out_dir, state)
+def skip_batch(s: LoopState) -> int | None:
+    """Drop this batch's update (skip_nonfinite); more than skip_nonfinite skipped ends the run as diverged."""
+    s.optimizer.zero_grad(set_to_none=True)
+    if s.scaler.is_enabled():
+        s.scaler.update()  # closes the unscale_ before the check (and lowers the fp16 loss scale)
+    s.skipped += 1
+    if s.skipped <= s.cfg.skip_nonfinite:
+        return None
+    return report_divergence(s.log, s.ddp, s.iter_num + 1, f"more than {s.cfg.skip_nonfinite} non-finite losses "
+                             "skipped", s.raw_model, s.optimizer, model_inputs(s.task.train_batch(s.iter_num, 0)))
 
 
-def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
-                         cfg: TrainConfig, unsaved: str | None = None) -> int:
-    """Save the last completed iteration (state; None, and `unsaved` saying why, when it must not be saved) and
-    log the stop. Every rank calls this at the same iteration; rank 0 writes."""
-    if ddp.master:
-        if state is not None:
-            path = save_stop_checkpoint(cfg.out_dir, state, keep_best=not cfg.always_save_checkpoint)
-        saved = f"saved iter {iteration} to {path}" if state else f"{unsaved}, so the last checkpoint is kept"
-        print(f"{stop.received or 'a stop signal on another rank'}: stopped after iter {iteration}; {saved}. "
-              "Continue with --init_from=resume", file=sys.stderr)
-        log.write(kind="status", status="stopped", iter=iteration, signal=stop.received, saved=state is not None)
-    if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
-        dist.barrier()
-    return EXIT_STOPPED
+def log_progress(s: LoopState, loss_sum: torch.Tensor) -> None:
+    """A train line: the global batch's loss, the learning rate, and the speed since the last line."""
+    lossf = (all_ranks(loss_sum, s.ddp) / s.ddp.world_size).item()  # the global batch's loss
+    speed = {}
+    if s.iters_since_log:  # none yet right after the first step, which is not timed
+        dt = (time.perf_counter() - s.t_last) / s.iters_since_log
+        speed = {"ms_per_iter": dt * 1000, "tokens_per_s": s.tokens_per_iter / dt,
+                 "mfu": s.flops_per_iter / dt / s.peak}
+    s.t_last, s.iters_since_log = time.perf_counter(), 0
+    if s.ddp.master:
+        lr = s.optimizer.param_groups[0]["lr"]
+        timing = (f", {speed['ms_per_iter']:.1f} ms/iter, {speed['tokens_per_s']:,.0f} tok/s, "
+                  f"mfu {100 * speed['mfu']:.1f}%") if speed else ""
+        print(f"iter {s.iter_num}: loss {lossf:.4f}, lr {lr:.3g}{timing}")
+        s.log.write(kind="train", iter=s.iter_num, loss=lossf, lr=lr, **speed,
+                    **({"skipped": s.skipped} if s.cfg.skip_nonfinite else {}))
 
 
-def print_sample(model: GPT, meta: dict, n_tokens: int, device: str, stop: StopSignals | None = None) -> None:
-    """n_tokens of text after a newline, drawn in chunks: a stop signal ends it early (the training is saved)."""
-    tokenizer = prepare_data.tokenizer_from_meta(meta)
-    try:
-        start = tokenizer.encode("\n")
-    except ValueError:  # a vocabulary without a newline: the end-of-text token, or else id 0
-        start = [tokenizer.eot_token if tokenizer.eot_token is not None else 0]
-    out = torch.tensor([start], device=device)
-    generator, end = torch.Generator(device).manual_seed(0), out.shape[1] + n_tokens
-    while out.shape[1] < end and not (stop and stop.received):  # the same tokens as one call: one generator
-        out = model.generate(out, min(SAMPLE_CHUNK, end - out.shape[1]), temperature=0.8, top_k=200,
-                             generator=generator, vocab_limit=tokenizer.vocab_size)
-    cut = f" (cut short by {stop.received})" if stop and stop.received else ""
-    print("-" * 40 + " sample\n" + tokenizer.decode(out[0].tolist()) + "\n" + "-" * 40 + cut)
+def stop_after_iteration(s: LoopState) -> int:
+    """A stop signal: save the last completed iteration and log the stop (exit code 4). No save from a state that
+    may be poisoned: a non-finite last evaluation or state, or batches skipped since the last evaluation."""
+    unsaved = ("its state is not finite" if not s.eval_finite or nonfinite_state(s.raw_model, s.optimizer) else
+               "non-finite batches were skipped since the last evaluation" if s.skipped > s.eval_skipped else None)
+    state = checkpoint_state(s, evaluated=False) if unsaved is None else None
+    return stop_with_checkpoint(s.log, s.ddp, s.stop, s.iter_num, state, s.cfg, unsaved)
+
+
+def checkpoint_state(s: LoopState, evaluated: bool = True) -> dict:
+    """What a checkpoint holds; evaluated: saved after the evaluation at iter_num (a stop save may come before it)."""
+    return {"format": CHECKPOINT_FORMAT, "model": s.raw_model.state_dict(), "optimizer": s.optimizer.state_dict(),
+            "scaler": s.scaler.state_dict(), "iter_num": s.iter_num, "best_val_loss": s.best_val,
+            "model_args": asdict(s.raw_model.config), "config": asdict(s.cfg), "world_size": s.ddp.world_size,
+            "skipped_steps": s.skipped, "evaluated": evaluated, "metrics_lines": s.log.lines,
+            **({"data_meta": s.task.data.meta} if s.cfg.task == "lm" else {})}
+
+
+def train(argv: list[str]) -> int:
+    """Run the training that `argv` (a config file and --key=value flags) asks for; its exit code."""
+    cfg, model_args = load_config(argv)
+    checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
+    reuse_freed_memory()
+    ddp, device = setup_distributed(cfg)
+    stop = StopSignals()
+    with lost_ranks_named(cfg, ddp, stop), claim_out_dir(cfg.out_dir, ddp, device), stop:
+        return run(cfg, model_args, ddp, device, stop)
 
 
 def main() -> None:
-    try:
-        code = train(sys.argv[1:])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = EXIT_CONFIG
-    except KeyboardInterrupt:  # a second SIGINT, or one before the run's handlers were installed
-        print("interrupted by SIGINT: stopped at once, without a checkpoint of the current iteration",
-              file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    except LostRanks as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(code)
+    """The command line: train, and exit with the run's exit code (see guards.py)."""
+    sys.exit(exit_code(lambda: train(sys.argv[1:])))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, tiny_run_args
 
 import icl_task
+import lm_task
 import optim
 import prepare_data
 import sample
@@ -200,7 +201,7 @@ def test_the_final_sample_starts_without_a_newline_token(capsys):
     """A char vocabulary without "\\n" (and no end-of-text token): the sample starts from id 0."""
     meta = {"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"]}
     model = train.GPT(train.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=3))
-    train.print_sample(model, meta, 5, "cpu")
+    lm_task.print_sample(model, meta, 5, "cpu")
     text = capsys.readouterr().out.split("\n")[1]
     assert len(text) == 6 and text[0] == "a" and set(text) <= set("abc")
 

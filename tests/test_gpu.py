@@ -16,6 +16,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench
+import diagnostics
+import guards
 import train
 from model import GPT, GPTConfig
 
@@ -33,10 +35,10 @@ def test_ddp_is_wrapped_before_compile(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = GPT(tiny_config())
-        wrapped = train.wrap_model(model, train.Dist(rank=0, local_rank=0, world_size=2), "cpu", compiled=True)
+        wrapped = train.wrap_model(model, guards.Dist(rank=0, local_rank=0, world_size=2), "cpu", compiled=True)
         assert isinstance(wrapped, OptimizedModule) and isinstance(wrapped._orig_mod, DDP)
         assert wrapped._orig_mod.module is model and wrapped._orig_mod.gradient_as_bucket_view
-        assert train.wrap_model(model, train.Dist(), "cpu", compiled=False) is model  # one process, eager: as is
+        assert train.wrap_model(model, guards.Dist(), "cpu", compiled=False) is model  # one process, eager: as is
     finally:
         dist.destroy_process_group()
 
@@ -52,7 +54,7 @@ def test_peak_flops_by_device_and_dtype(monkeypatch, name, dtype, tf32, tflops):
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        assert train.device_peak_flops("cuda", dtype) == tflops * 1e12
+        assert diagnostics.device_peak_flops("cuda", dtype) == tflops * 1e12
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -162,7 +164,8 @@ def test_bf16_autocast_loss_is_near_float32_on_cuda(scheme):
 @pytest.mark.cuda
 def test_peak_flops_knows_this_gpu():
     """The GPU this runs on is in the peak table, so its MFU is a number (add a row for a new GPU)."""
-    bf16, fp32 = train.device_peak_flops("cuda", torch.bfloat16), train.device_peak_flops("cuda", torch.float32)
+    peak = diagnostics.device_peak_flops
+    bf16, fp32 = peak("cuda", torch.bfloat16), peak("cuda", torch.float32)
     assert math.isfinite(bf16) and bf16 > fp32 > 0, torch.cuda.get_device_name()
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import guards
 import train
 
 D = 5
@@ -104,7 +105,7 @@ def test_plain_residual_without_norm_diverges_at_the_first_evaluation(tmp_path):
     so it passes 1e38 by block ~8 at any width; train.py exits 3 before a single step."""
     out = str(tmp_path / "none")
     args = run_args(out, norm_scheme="none", n_layer=15, max_iters=10, batch_size=8, eval_iters=1)
-    assert train.train(args) == train.EXIT_DIVERGED
+    assert train.train(args) == guards.EXIT_DIVERGED
     status = read_metrics(out)[-1]
     assert status["kind"] == "status" and status["status"] == "diverged" and status["iter"] == 0
 
@@ -130,7 +131,7 @@ def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path, monkeypat
     monkeypatch.setattr(train, "build", keep_initial_weights)
     monkeypatch.setattr(train, "report_divergence", keep_final_weights)
     code = train.train(run_args(out, **none, max_iters=3, eval_interval=3, skip_nonfinite=5))
-    assert code == train.EXIT_DIVERGED
+    assert code == guards.EXIT_DIVERGED
     records = read_metrics(out)
     assert [r["skipped"] for r in records if r["kind"] == "train"] == [1, 2, 3]
     assert eval_records(records)[-1]["val_loss"] is None  # NaN, logged as null
@@ -139,7 +140,7 @@ def test_skipped_nonfinite_steps_leave_the_weights_untouched(tmp_path, monkeypat
     assert final.keys() == initial.keys() and all(torch.equal(initial[k], v) for k, v in final.items())
     # one more than allowed is a divergence, reported at the iteration of the step that was not taken
     out = str(tmp_path / "too_many")
-    assert train.train(run_args(out, **none, max_iters=6, eval_interval=6, skip_nonfinite=2)) == train.EXIT_DIVERGED
+    assert train.train(run_args(out, **none, max_iters=6, eval_interval=6, skip_nonfinite=2)) == guards.EXIT_DIVERGED
     status = read_metrics(out)[-1]
     assert status["status"] == "diverged" and status["iter"] == 3 and "more than 2" in status["reason"]
 

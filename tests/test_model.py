@@ -8,16 +8,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from diagnostics import block_activation_rms, max_attention_logits
 from layers import GeodesicStep, HeadwiseRMSNorm, ScaledAdd, apply_rope, geonorm_decay, rope_tables
-from model import (
-    ELEMENTWISE_NORMS,
-    GPT,
-    NORM_TYPES,
-    SCHEMES,
-    GPTConfig,
-    block_activation_rms,
-    max_attention_logits,
-)
+from model import ELEMENTWISE_NORMS, GPT, NORM_TYPES, SCHEMES, GPTConfig
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, HeadwiseRMSNorm)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_run_args
 
+import guards
 import optim
 import train
 from layers import apply_rope
@@ -114,7 +115,7 @@ def test_divergence_is_still_caught(data_dir, tmp_path):
     out = str(tmp_path / "run")
     args = tiny_run_args(data_dir, out, norm_scheme="ngpt", learning_rate=1e30, warmup_iters=0, max_iters=8,
                          eval_interval=4)
-    assert train.train(args) == train.EXIT_DIVERGED
+    assert train.train(args) == guards.EXIT_DIVERGED
 
 
 def test_scalings_take_no_weight_decay():

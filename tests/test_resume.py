@@ -19,6 +19,9 @@ import pytest
 import torch
 from conftest import ROOT, tiny_run_args
 
+import diagnostics
+import guards
+import lm_task
 import optim
 import run_files
 import train
@@ -241,7 +244,7 @@ def test_failed_save_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
     monkeypatch.undo()
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
     assert sorted(os.listdir(out)) == [".lock", "ckpt.pt", "ckpt.pt.sha256", "metrics.jsonl"]  # no stray temp file
-    assert train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
+    assert run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
 
 
 def test_keep_every_keeps_numbered_checkpoints(data_dir, tmp_path, monkeypatch):
@@ -339,14 +342,14 @@ def test_absurd_learning_rate_exits_3_and_keeps_the_last_checkpoint(data_dir, tm
                                                                          init_from="resume")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == train.EXIT_DIVERGED, result.stderr
+    assert result.returncode == guards.EXIT_DIVERGED, result.stderr
     record = status(out)
     # the non-finite loss of iter 6 poisoned every weight through its step: no block can be named
     assert record["iter"] == 6 and record["reason"] == "non-finite training loss" and record["block"] is None
     assert record["nonfinite"][0] == "wte.weight" and record["n_nonfinite"] > len(record["nonfinite"])
     assert "diverged at iter 6: non-finite training loss; non-finite: wte.weight, wpe.weight" in result.stderr
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
-    assert train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
+    assert run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
 
 
 def test_divergence_with_finite_weights_names_the_block(data_dir, tmp_path):
@@ -358,7 +361,7 @@ def test_divergence_with_finite_weights_names_the_block(data_dir, tmp_path):
     for name in ("blocks.1.mlp.sublayer.fc.weight", "blocks.1.mlp.sublayer.proj.weight"):
         ckpt["model"][name] *= 1e30
     run_files.save_checkpoint(os.path.join(out, "ckpt.pt"), ckpt)
-    assert train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume")) == train.EXIT_DIVERGED
+    assert train.train(tiny_run_args(data_dir, out, max_iters=8, init_from="resume")) == guards.EXIT_DIVERGED
     record = status(out)
     assert (record["iter"], record["block"], record["n_nonfinite"]) == (4, 1, 0)
     assert record["reason"] == "non-finite eval loss or state"
@@ -370,8 +373,8 @@ def test_divergence_between_log_lines_is_caught_at_the_next_eval(data_dir, tmp_p
     checkpoint is written from the diverged state."""
     every, rarely = str(tmp_path / "every"), str(tmp_path / "rarely")
     args = dict(learning_rate=1e30, warmup_iters=0, max_iters=8, eval_interval=4)
-    assert train.train(tiny_run_args(data_dir, every, **args)) == train.EXIT_DIVERGED
-    assert train.train(tiny_run_args(data_dir, rarely, **args, log_interval=100)) == train.EXIT_DIVERGED
+    assert train.train(tiny_run_args(data_dir, every, **args)) == guards.EXIT_DIVERGED
+    assert train.train(tiny_run_args(data_dir, rarely, **args, log_interval=100)) == guards.EXIT_DIVERGED
     assert status(every)["iter"] == status(rarely)["iter"] == 2
     assert [r["kind"] for r in read_metrics(rarely)] == ["eval", "status"]
     assert not os.path.exists(os.path.join(rarely, "ckpt.pt"))
@@ -427,7 +430,7 @@ def test_gradient_statistics_of_gaussian_gradients():
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.grad = 8 * torch.randn(p.shape, generator=generator)
-    stats = train.gradient_statistics(model, grad_scale=8.0)
+    stats = diagnostics.gradient_statistics(model, grad_scale=8.0)
     assert stats["grad_kurtosis"] == pytest.approx(3.0, abs=0.15)
     assert stats["grad_tail_ratio"] == pytest.approx(4.88, abs=0.4)
     n = sum(p.numel() for p in model.parameters())
@@ -471,7 +474,7 @@ def test_a_stop_signal_saves_the_last_completed_iteration_and_resumes_exactly(da
     out = str(tmp_path / "run")
     settings = {**STOP_SETTINGS, "always_save_checkpoint": always_save}
     monkeypatch.setattr(train, "forward_backward", signal_during(5, signum))
-    assert train.train(tiny_run_args(data_dir, out, **settings)) == train.EXIT_STOPPED == 4
+    assert train.train(tiny_run_args(data_dir, out, **settings)) == guards.EXIT_STOPPED == 4
     monkeypatch.undo()
     assert read_metrics(out)[-1] == {"kind": "status", "status": "stopped", "iter": 6,
                                      "signal": signal.Signals(signum).name, "saved": True}
@@ -492,7 +495,7 @@ def test_a_stop_at_an_evaluation_iteration_resumes_into_its_saves(data_dir, tmp_
     settings = {**STOP_SETTINGS, "keep_every": 4, "always_save_checkpoint": False}
     out = str(tmp_path / "run")
     monkeypatch.setattr(train, "forward_backward", signal_during(3, signal.SIGTERM))
-    assert train.train(tiny_run_args(data_dir, out, **settings)) == train.EXIT_STOPPED
+    assert train.train(tiny_run_args(data_dir, out, **settings)) == guards.EXIT_STOPPED
     monkeypatch.undo()
     assert load(out, "ckpt_last.pt")["iter_num"] == 4 and not os.path.exists(os.path.join(out, "ckpt_4.pt"))
     assert train.train(tiny_run_args(data_dir, out, **settings, init_from="resume")) == 0
@@ -511,7 +514,7 @@ def test_a_stop_signal_cuts_the_final_sample_short(data_dir, tmp_path, monkeypat
 
     monkeypatch.setattr(train.GPT, "generate", signalled)
     assert train.train(tiny_run_args(data_dir, str(tmp_path / "run"), max_iters=0, sample_tokens=1000)) == 0
-    assert calls == [train.SAMPLE_CHUNK] and "(cut short by SIGTERM)" in capsys.readouterr().out
+    assert calls == [lm_task.SAMPLE_CHUNK] and "(cut short by SIGTERM)" in capsys.readouterr().out
 
 
 def test_a_second_sigint_stops_at_once(data_dir, tmp_path, monkeypatch, capsys):
@@ -521,7 +524,7 @@ def test_a_second_sigint_stops_at_once(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train.py", *tiny_run_args(data_dir, out, **STOP_SETTINGS)])
     with pytest.raises(SystemExit) as exit_info:
         train.main()
-    assert exit_info.value.code == train.EXIT_INTERRUPTED == 130
+    assert exit_info.value.code == guards.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err.endswith("interrupted by SIGINT: stopped at once, without a checkpoint of the "
                                             "current iteration\n")
     assert load(out)["iter_num"] == 4  # the last evaluation's
@@ -618,7 +621,7 @@ def test_dist_timeout_reaches_the_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
     cfg, _ = train.load_config(["--dist_timeout=7", "--device=cpu"])
-    assert train.setup_distributed(cfg)[0].world_size == 2
+    assert guards.setup_distributed(cfg)[0].world_size == 2
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7), "device_id": None}  # no GPU to bind
 
 
@@ -636,7 +639,7 @@ def test_a_lost_rank_is_told_in_one_line(monkeypatch, capsys, gloo_says, told):
     def lost(*args):
         raise RuntimeError(gloo_says)
 
-    monkeypatch.setattr(train, "setup_distributed", lambda cfg: (train.Dist(1, 1, 2), "cpu"))
+    monkeypatch.setattr(train, "setup_distributed", lambda cfg: (guards.Dist(1, 1, 2), "cpu"))
     monkeypatch.setattr(train, "claim_out_dir", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(train, "run", lost)
     monkeypatch.setattr(sys, "argv", ["train.py", "--dist_timeout=7"])
@@ -716,7 +719,7 @@ def test_a_stop_during_setup_exits_before_training(data_dir, tmp_path, monkeypat
 
     out = str(tmp_path / "run")
     monkeypatch.setattr(train, "make_task", signalled)
-    assert train.train(tiny_run_args(data_dir, out)) == train.EXIT_STOPPED
+    assert train.train(tiny_run_args(data_dir, out)) == guards.EXIT_STOPPED
     assert not os.path.exists(out)  # nothing written: the folder it created goes
     assert "SIGTERM: stopped during setup, before the first iteration" in capsys.readouterr().err
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import tiny_run_args
 
+import guards
+import resume
 import run_files
 import train
 
@@ -103,7 +105,7 @@ def test_an_out_dir_with_glob_characters_is_a_name_not_a_pattern(tmp_path, name,
     assert run_files.previous_run_files(out) == ["ckpt.pt", "metrics.jsonl"]
     cfg, _ = train.load_config([f"--out_dir={out}"])
     with pytest.raises(train.ConfigError, match=r"an earlier run already exists .*\(ckpt.pt, metrics.jsonl\)"):
-        train.starting_point(cfg, "cpu")
+        resume.starting_point(cfg, "cpu")
     assert run_files.remove_previous_run(out) == ["ckpt.pt", "metrics.jsonl"]
     assert os.listdir(out) == [] and os.listdir(tmp_path / decoy) == ["ckpt_4.pt"]
 
@@ -114,9 +116,9 @@ def test_metrics_of_a_run_without_checkpoint_need_overwrite(tmp_path):
     cfg, _ = train.load_config([f"--out_dir={tmp_path}"])
     with pytest.raises(train.ConfigError, match=r"an earlier run already exists in .* \(metrics.jsonl\); continue it "
                                                 r"with --init_from=resume, choose another --out_dir, or pass"):
-        train.starting_point(cfg, "cpu")
+        resume.starting_point(cfg, "cpu")
     cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--overwrite=True"])
-    assert train.starting_point(cfg, "cpu") is None
+    assert resume.starting_point(cfg, "cpu") is None
 
 
 def test_overwrite_removes_the_earlier_run_before_the_new_one_starts(data_dir, finished_run, monkeypatch):
@@ -192,14 +194,14 @@ def test_an_unreadable_stop_save_points_back_to_the_best_checkpoint(tmp_path):
     (tmp_path / "ckpt_last.pt").write_bytes(b"junk")
     cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--init_from=resume"])
     with pytest.raises(train.ConfigError, match=r"or delete .*ckpt_last.pt and its .sha256 to resume from ckpt.pt"):
-        train.starting_point(cfg, "cpu")
+        resume.starting_point(cfg, "cpu")
 
 
 def test_overwrite_refuses_a_folder_named_like_a_run_file_before_the_setup(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()
     cfg, _ = train.load_config([f"--out_dir={tmp_path}", "--overwrite=True"])
     with pytest.raises(train.ConfigError, match=r"metrics.jsonl in .* is a folder, not a run's file"):
-        train.starting_point(cfg, "cpu")
+        resume.starting_point(cfg, "cpu")
 
 
 def test_resume_drops_metrics_lines_that_are_not_records_of_an_iteration(tmp_path):
@@ -291,7 +293,7 @@ def test_a_run_that_can_only_skip_ends_diverged_and_keeps_its_checkpoint(data_di
     code = train.train(tiny_run_args(data_dir, str(out), norm_scheme="none", max_iters=max_iters, eval_interval=4,
                                      init_from="resume", learning_rate=1e20, lr_schedule="constant", skip_nonfinite=100,
                                      grad_clip=0))
-    assert code == train.EXIT_DIVERGED
+    assert code == guards.EXIT_DIVERGED
     assert (out / "ckpt.pt").read_bytes() == before
     records = strict_records(out / "metrics.jsonl")
     assert records[-1]["kind"] == "status" and records[-1]["iter"] == 16 and reason in records[-1]["reason"]

@@ -445,11 +445,11 @@ def test_listing_computation_needs_no_decay_and_fixed_a_b():
 
 FAULTS_PER_STEP = """
 import resource, statistics, torch
-import train
+import guards
 from layers import GeodesicStep
 torch.manual_seed(0)
 torch.set_num_threads(1)
-reused = train.reuse_freed_memory()
+reused = guards.reuse_freed_memory()
 x, s = torch.randn(2048, 256, requires_grad=True), torch.randn(2048, 256, requires_grad=True)
 step = GeodesicStep(0.5, 0.7)
 faults = []
@@ -462,7 +462,7 @@ print(reused, statistics.median(faults[3:]))
 
 
 def test_reusing_freed_memory_stops_page_faults_in_a_cpu_step(tmp_path):
-    """`train.reuse_freed_memory`: once freed blocks stay on the heap, a step that allocates the same
+    """`guards.reuse_freed_memory`: once freed blocks stay on the heap, a step that allocates the same
     2 MiB tensors every time (the geodesic step at the CPU bench shape) reuses them instead of
     page-faulting fresh memory in. It runs in a fresh interpreter: malloc's settings are per process,
     and an earlier test's training run has already changed this one's. The median over ten steps after
@@ -472,7 +472,7 @@ def test_reusing_freed_memory_stops_page_faults_in_a_cpu_step(tmp_path):
     call left out); reused, 0 in eight; 50 separates them."""
     import platform
 
-    from train import MALLOC_SETTINGS
+    from guards import MALLOC_SETTINGS
 
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         pytest.skip("no glibc malloc to configure on this platform")

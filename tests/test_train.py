@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_run_args
 
+import lm_task
 import train
 
 
@@ -182,9 +183,9 @@ def bpe_data_dir(tmp_path_factory) -> str:
 
 def test_compact_vocab_trains_on_the_used_ids_and_samples_text(bpe_data_dir, tmp_path):
     args = dict(dataset="plays", compact_vocab=True, max_iters=2)
-    full = train.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **{**args, "compact_vocab": False}))[0],
+    full = lm_task.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **{**args, "compact_vocab": False}))[0],
                           32, "cpu", True)
-    compact = train.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **args))[0], 32, "cpu", True)
+    compact = lm_task.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", **args))[0], 32, "cpu", True)
     used = compact.meta["token_ids"]
     assert used == sorted(set(full.arrays["train"]) | set(full.arrays["val"])) and 1024 < len(used) < 50257
     # the same window, renumbered: model id k is dataset id used[k]

@@ -8,7 +8,9 @@ import sys
 import pytest
 from conftest import tiny_run_args
 
+import guards
 import prepare_data
+import run_files
 import train
 import train_config
 
@@ -97,7 +99,7 @@ def test_config_error_exits_with_code_2(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train.py", "--n_embd=30", "--n_head=4"])
     with pytest.raises(SystemExit) as exit_info:
         train.main()
-    assert exit_info.value.code == train.EXIT_CONFIG == 2
+    assert exit_info.value.code == guards.EXIT_CONFIG == 2
     assert capsys.readouterr().err == "error: n_embd=30 must be divisible by n_head=4\n"
 
 
@@ -113,7 +115,7 @@ def test_resume_and_eval_only_keep_the_checkpoints_block_size_and_compact_vocab(
     assert train.train(without(tiny_run_args(data_dir, out, init_from="eval"), "block_size")) == 0
     assert train.train(without(tiny_run_args(data_dir, out, max_iters=4, eval_interval=2, init_from="resume"),
                                "block_size")) == 0
-    saved = train.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
+    saved = run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
     assert saved["iter_num"] == 4 and saved["model_args"]["block_size"] == 32 and saved["config"]["compact_vocab"]
     with pytest.raises(train.ConfigError, match=r"checkpoint's model has block_size=32 \(this run: 64\)"):
         train.train(tiny_run_args(data_dir, out, max_iters=6, init_from="resume", block_size=64))
