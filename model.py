@@ -1,24 +1,18 @@
 """
-One GPT that holds every normalization scheme of the source papers as flags.
+One GPT that holds every normalization scheme as a row of `SCHEMES`.
 
-Reading order: the scheme table (which primitives each scheme uses), the config, the factories
-that build a scheme's norms and combine rules from it, attention, MLP, the residual update that
-ties them together, the block, and the GPT. The building blocks themselves (the norm types, the
-residual combine rules including GeoNorm's geodesic step, RoPE) live in layers.py; nGPT's
-unit-norm modules live in ngpt.py.
+Reading order: the scheme table, the config, the factories that build a row's norms and combine rules,
+attention, MLP, the residual update, the block and the GPT. The primitives' math is in layers.py (the norm
+types, the combine rules with GeoNorm's geodesic step, RoPE); nGPT's unit-norm modules are in ngpt.py.
 
 Every block performs the same four steps for its attention and its MLP:
 
-    y = branch_scale * f(pre_norm(x))      # sub-layer on an optionally normalized (and scaled, LNS) input
-    y = mid_norm(y)                         # optional norm of the sub-layer output
-    x = combine(x, y)                       # residual rule: add, scaled add, geodesic step, ReZero gate
-    x = post_norm(x)                        # optional norm after the residual (Post/DeepNorm)
+    y = branch_scale * f(N_pre(x))      # sub-layer on an optionally normalized (LNS: and scaled) input
+    y = N_mid(y)                        # optional norm of the sub-layer output
+    x = combine(x, y)                   # residual rule: add, scaled add, geodesic step, ReZero gate, nlerp
+    x = N_post(x)                       # optional norm after the residual (Post-Norm, DeepNorm)
 
-A scheme is a row of `SCHEMES`; a new scheme is a new row plus, at most, one new combine rule.
-Papers (full titles in the README): GeoNorm (Zheng et al.), DNT (Qi et al.), the Lipschitz block
-and Manifold Muon (Bir et al.), the head-wise norm proposal, and Pre-LN vs Post-LN; since 2020,
-DyT, Derf, Peri-LN, OLMo 2, Mix-LN, LNS, HybridNorm, ReZero and the modded-nanogpt speedrun; and nGPT
-(Loshchilov et al.), whose unit-norm modules are in ngpt.py.
+A new scheme is one row; the papers and the reference code each row was compared with: docs/schemes.md.
 """
 
 from __future__ import annotations

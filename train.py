@@ -7,8 +7,8 @@ Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
         --nproc_per_node=8 train.py configs/geonorm_125m.py     # then node_rank=1 on the other
 
-A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it. Every key is
-a field of `train_config.TrainConfig` or of `model.GPTConfig`; anything else stops with a message.
+A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it; `--help` lists
+every key (train_config.py), and anything else stops with a message.
 
 Read top to bottom as nanoGPT's train.py: config, data (lm_task.py, icl_task.py), model and optimizer
 (build), the training loop. What a run guarantees lives beside it: the same batches and dropout masks
