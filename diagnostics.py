@@ -12,6 +12,7 @@ per evaluation. device_peak_flops gives the matmul peak that MFU is measured aga
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -90,9 +91,23 @@ def gradient_statistics(model: GPT, grad_scale: float = 1.0) -> dict:
     median, q999 = (a.kthvalue(max(1, math.ceil(q * a.numel()))).values for q in (0.5, 0.999))
     below = [int((a < 10.0**e).sum()) for e in GRAD_HIST_LOG10_EDGES]
     hist = [hi - lo for lo, hi in zip([0, *below], [*below, a.numel()], strict=True)]
-    return {"grad_norms": dict(zip(grads, norms, strict=True)), "grad_kurtosis": kurtosis.item(),
+    per_block = [math.sqrt(sum(v * v for n, v in zip(grads, norms, strict=True) if n.startswith(f"blocks.{i}.")))
+                 for i in range(len(model.blocks))]
+    return {"grad_norms": dict(zip(grads, norms, strict=True)), "block_grad_norm": per_block,
+            "grad_kurtosis": kurtosis.item(),
             "grad_tail_ratio": (q999 / median).item(), "grad_abs_hist": hist,
             "grad_abs_hist_log10_edges": GRAD_HIST_LOG10_EDGES}
+
+
+@contextlib.contextmanager
+def skipping(block: nn.Module):
+    """Within it, `block` passes its input through unchanged: the model without that block (the "curse of
+    depth" measure, Sun et al.: how much the loss rises when one block is left out)."""
+    handle = block.register_forward_hook(lambda module, args, output: args[0])
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics
+from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics, skipping, skipping
 from guards import (
     EXIT_STOPPED,
     NEVER,
@@ -174,22 +174,31 @@ def forward_backward(model: torch.nn.Module, task: Task, ddp: Dist, accum: int, 
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, raw_model: GPT, task: Task, ddp: Dist, autocast) -> dict:
-    """Mean loss per split, averaged over all ranks' batches; plus the task's extra metrics."""
+def evaluate(model: torch.nn.Module, raw_model: GPT, task: Task, ddp: Dist, autocast,
+             skip_blocks: bool = False) -> dict:
+    """Mean loss per split, averaged over all ranks' batches; plus the task's extra metrics, and with skip_blocks
+    the val loss increase when each block is left out."""
     model.eval()
-    out = {}
-    for split in task.eval_splits():
-        total = torch.zeros(2, device=next(model.parameters()).device)
-        for batch in task.eval_batches(split, ddp):
-            with autocast:
-                total += torch.stack([task.loss(model, batch).float(), torch.ones((), device=total.device)])
-        all_ranks(total, ddp)
-        out[f"{split}_loss"] = (total[0] / total[1]).item()
+    out = {f"{split}_loss": split_loss(model, task, split, ddp, autocast) for split in task.eval_splits()}
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
     out.update(residual_stream_metrics(raw_model, val_inputs(task)))
+    if skip_blocks:
+        out["block_skip_loss"] = []
+        for block in raw_model.blocks:
+            with skipping(block):
+                out["block_skip_loss"].append(split_loss(raw_model, task, "val", ddp, autocast) - out["val_loss"])
     model.train()
     return out
+
+
+def split_loss(model: torch.nn.Module, task: Task, split: str, ddp: Dist, autocast) -> float:
+    total = torch.zeros(2, device=next(model.parameters()).device)
+    for batch in task.eval_batches(split, ddp):
+        with autocast:
+            total += torch.stack([task.loss(model, batch).float(), torch.ones((), device=total.device)])
+    all_ranks(total, ddp)
+    return (total[0] / total[1]).item()
 
 
 def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
@@ -339,7 +348,8 @@ def evaluate_and_save(s: LoopState) -> int | None:
     """Evaluate at s.iter_num: a non-finite loss or state ends the run as diverged (its exit code returned);
     else rank 0 prints and logs the evaluation, and saves a checkpoint of it first."""
     cfg = s.cfg
-    metrics = evaluate(s.model, s.raw_model, s.task, s.ddp, s.autocast)
+    metrics = evaluate(s.model, s.raw_model, s.task, s.ddp, s.autocast,
+                       skip_blocks=cfg.log_diagnostics and s.iter_num >= cfg.max_iters)
     # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
     finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in s.task.eval_splits())
     reason = eval_divergence(cfg, finite, s.iter_num >= cfg.max_iters or cfg.init_from == "eval",

@@ -1,5 +1,6 @@
 """train.py end to end: runs, logs, checkpoints, resumes, rejects bad configs, and DDP."""
 
+import contextlib
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import torch
 from conftest import ROOT, tiny_run_args
 
 import lm_task
+import run_files
 import train
 
 
@@ -207,3 +209,29 @@ def test_compact_vocab_trains_on_the_used_ids_and_samples_text(bpe_data_dir, tmp
     # "KING" is one GPT-2 token that these plays never use (they write it in lower case)
     result = subprocess.run([*sample, "--start=KING"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "never occurs in the training data" in result.stderr
+
+
+def test_diagnostics_log_per_block_gradient_norms_and_at_the_end_each_blocks_skip_loss(data_dir, tmp_path):
+    """The depth measures: each block's gradient norm (its parameters' norms combined) on every eval line, and
+    at the last one the val loss increase when each block is left out, equal to a model built without it."""
+    out = str(tmp_path / "run")
+    assert train.train(tiny_run_args(data_dir, out, max_iters=4, eval_interval=2, log_diagnostics=True)) == 0
+    evals = [r for r in read_metrics(out) if r["kind"] == "eval"]
+    for r in evals:
+        for i, norm in enumerate(r["block_grad_norm"]):
+            mine = [v for k, v in r["grad_norms"].items() if k.startswith(f"blocks.{i}.")]
+            assert norm == pytest.approx(math.sqrt(sum(v * v for v in mine)), rel=1e-12)
+    assert "block_skip_loss" not in evals[0] and len(evals[-1]["block_skip_loss"]) == 2
+    model = run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
+    cfg, model_args = train.load_config(tiny_run_args(data_dir, out, max_iters=4))
+    task = lm_task.make_task(cfg, model_args, "cpu", True)
+    gpt = train.GPT(train.GPTConfig(**model["model_args"]))
+    gpt.load_state_dict(model["model"])
+    gpt.eval()
+    base = train.split_loss(gpt, task, "val", train.Dist(), contextlib.nullcontext())
+    for i, increase in enumerate(evals[-1]["block_skip_loss"]):
+        kept = gpt.blocks
+        gpt.blocks = torch.nn.ModuleList(b for j, b in enumerate(kept) if j != i)  # the model without block i
+        torch.testing.assert_close(train.split_loss(gpt, task, "val", train.Dist(), contextlib.nullcontext()) - base,
+                                   increase, rtol=0, atol=1e-6)  # float32 rounding of two means
+        gpt.blocks = kept
