@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics, skipping, skipping
+from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics, skipping
 from guards import (
     EXIT_STOPPED,
     NEVER,
