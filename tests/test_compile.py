@@ -31,8 +31,7 @@ def tiny_config(scheme: str, norm: str = "layernorm", bias: bool = True, pos: st
 
 def uses_norm(scheme: str) -> bool:
     """Whether the row normalizes anywhere with `config.norm` (QK-norm is always RMSNorm, nGPT's is L2)."""
-    row = SCHEMES[scheme]
-    return row.input_norm or row.pre_norm != "none" or row.mid_norm or row.post_norm or row.final_norm
+    return SCHEMES[scheme].normalizes("input", "pre", "pre_attn", "pre_mlp", "mid", "post", "post_attn", "final")
 
 
 def assert_one_graph(config: GPTConfig) -> None:
