@@ -94,16 +94,18 @@ SCHEMES: dict[str, Scheme] = {
     "ngpt": Scheme("qk", combine="nlerp", attn_scale="sqrt(d)", tie_head=False),
 }
 
-# `none` is Bir et al. §5.1's norm-free baseline: the Lipschitz block's orthogonal init without
-# its scalings or convex residual (with N(0, 0.02) init it would be a different, tamer model).
-# Since 2020 (sources in the README): `peri` is Peri-LN, x + N(f(N(x))) with the embedding and the output
-# normalized. `olmo2` normalizes each sub-layer's output, not its input, and q, k over the whole projection;
-# OLMo 2 starts every weight from N(0, 0.02). `hybrid` is HybridNorm: QKV-norm, no norm on the block input,
-# and Y = X + MHA(X), X' = N(Y) + FFN(N(Y)), i.e. a post-norm after the attention update only.
-# `speedrun` is the modded-nanogpt record of 2024-11-03 minus its untied, zero-initialized head: every
-# scheme here ties the head to the embedding. `norm="dyt"`/`"derf"` replace every norm above except q/k/v's.
-# `ngpt` (combine "nlerp") keeps every matrix and the stream on the unit sphere: its matrices are drawn by
-# `init` and normalized, so only the directions of the draw matter; its QK-norm is L2 times s_qk.
+# Row notes: what each row is and where it departs from its reference code; the files and lines, and the reason
+# for each choice, are in docs/schemes.md ("Differences from the reference code").
+# none: Bir et al. §5.1's norm-free baseline: orthogonal init (N(0, 0.02) would be tamer), no scalings, plain add.
+# peri: Peri-LN, x + N(f(N(x))) with the embedding and the output normalized (no code released: the paper's).
+# olmo2: x + N(f(x)), q/k normed over all heads, N(0, 0.02); OLMo-core unties the head, does not decay embeddings.
+# mixln: keeps pre's 1/sqrt(2L) output init; LayerNorm-Scaling's post_pre: N(0, 0.02) (_init_weights), RMSNorm.
+# lns: the intended formula; the released modeling_llama.py lowercases NORM_TYPE (l. 265), then tests =='LNS' (l. 427).
+# hybrid: QKV-norm, N(Y) + FFN(N(Y)); its 1.2B yaml: RMSNorm, std sqrt(2/5d) cut at 3σ, decays gains, not embeddings.
+# rezero: one alpha per residual update (combine=rezero_block: one per block, as the released rztx.py).
+# speedrun: modded-nanogpt record #8 (2024-11-03_UntieEmbed), head tied (it unties, zeroes it); later records differ.
+# ngpt: matrices and stream on the unit sphere (only the draw's direction counts); its QK-norm is L2 times s_qk.
+# norm=dyt/derf, at every place but q/k/v: beta only with bias=True; DyT's LLaMA code decays all; Derf's alpha is 1.
 
 NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)

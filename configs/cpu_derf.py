@@ -4,3 +4,4 @@ from configs.cpu_base import *  # noqa: F403
 norm = "derf"
 out_dir = "out/cpu_derf"
 embed_scale = True  # the learnable sqrt(d) embedding gain of DyT's and Derf's LLM recipes
+# cpu_base.py has bias=False: no beta, as in DyT's LLaMA code (DyT's and Derf's modules have one: docs/schemes.md)

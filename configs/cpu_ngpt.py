@@ -14,4 +14,6 @@ warmup_iters = 0
 # 200-step trials: val loss 2.48 / 2.18 / 2.04 / 2.05 at 2e-3 / 4e-3 / 8e-3 / 1.6e-2; 8e-3 is also the 0.5B rate 3e-3
 # times sqrt(1024/128), the same relative step on unit rows of 128 entries. A full sweep may move it.
 learning_rate = 8e-3
+# min_lr lr/10 and betas (0.9, 0.99) are cpu_base's, shared with the Pre-Norm arm; NVIDIA/ngpt uses min_lr 0 and
+# beta2 0.95 for nGPT and its GPT baseline alike (configs/ngpt_*.py take those; docs/schemes.md, "nGPT").
 min_lr = 8e-4
