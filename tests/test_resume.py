@@ -406,7 +406,7 @@ def test_diagnostics_are_logged_at_evals_without_changing_training(data_dir, tmp
     assert train.train(tiny_run_args(data_dir, plain, **args)) == 0
     assert train.train(tiny_run_args(data_dir, logged, **args, log_diagnostics=True)) == 0
     # the extra forward/backward re-seeds dropout like the step it mirrors: training is unchanged
-    assert losses(logged) == losses(plain)
+    assert {k: v for k, v in losses(logged).items() if k[0] != "block_skip_loss"} == losses(plain)
     evals = [r for r in read_metrics(logged) if r["kind"] == "eval"]
     assert [r["iter"] for r in evals] == [0, 2, 4]
     model = train.GPT(train.GPTConfig(**load(logged)["model_args"]))
