@@ -14,16 +14,27 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import NormalizedLerpFunction, UnitNormFunction, apply_rope, fused, mlp_width, register_rope, softmax_scale
+from fused import fast_normalized_lerp, fast_unit_norm, fused
+from layers import apply_rope, mlp_width, register_rope, softmax_scale
 
 if TYPE_CHECKING:
     from model import GPTConfig
 
 
+def unit_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the floor eps only guards a zero vector (`F.normalize`)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def normalized_lerp(h: torch.Tensor, y: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    """nGPT's residual update (eq. 10, 11): h <- Norm(h + alpha (Norm(y) - h)), in h's dtype (a bf16 sub-layer
+    output under autocast is normalized in float32)."""
+    return unit_norm(h + alpha * (unit_norm(y.to(h.dtype), eps) - h), eps)
+
+
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector
-    (`F.normalize`, computed by the fused `UnitNormFunction`)."""
-    return fused(UnitNormFunction, x, 1e-12)
+    """`unit_norm` with the floor 1e-12 (`F.normalize`'s), as nGPT's modules apply it."""
+    return fused(fast_unit_norm, unit_norm, x, 1e-12)
 
 
 @torch.no_grad()
@@ -114,7 +125,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return fused(NormalizedLerpFunction, x, y, self.alpha().abs().to(x.dtype), 1e-12)  # unit(lerp(x, unit(y), |a|))
+        return fused(fast_normalized_lerp, normalized_lerp, x, y, self.alpha().abs().to(x.dtype), 1e-12)
 
 
 class SphereAttention(nn.Module):
