@@ -3,8 +3,7 @@ The building blocks the rows of `SCHEMES` (model.py) are made of: the norm types
 rules (GeoNorm's geodesic step among them), the Lipschitz block's gained linear map, the attention logit
 scale, RoPE and the MLP's width. Each primitive's math is a plain function of tensors (`rms_norm`, `dyt`,
 `derf`, `geodesic_step`, `apply_rope`, ...), to be read next to its paper; the modules hold the parameters
-and the constants fixed at construction. None of them holds a config; `register_rope` and `mlp_width` only
-read a few attributes of one.
+and the constants fixed at construction. Nothing here reads a config: model.py passes plain values.
 
 On the CPU, RMSNorm, DyT/Derf and the geodesic step run as hand-written autograd nodes with the same math
 (fused.py, where tests/test_fused.py checks each against its formula here); under torch.compile they run as
@@ -14,15 +13,11 @@ the formulas below (`fused.fused`).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from fused import fast_derf, fast_dyt, fast_geodesic_step, fast_rms_norm, fused
-
-if TYPE_CHECKING:
-    from model import GPTConfig
 
 # ----------------------------------------------------------------------------- norms
 
@@ -305,14 +300,11 @@ def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, 
     return angles.cos(), angles.sin()
 
 
-def register_rope(module: nn.Module, config: GPTConfig, head_dim: int) -> bool:
-    """Give an attention module the RoPE tables as buffers when config.pos is "rope"; True if it has them."""
-    if config.pos != "rope":
-        return False
-    cos, sin = rope_tables(head_dim, config.block_size, config.rope_base)
+def register_rope(module: nn.Module, head_dim: int, length: int, base: float) -> None:
+    """Give an attention module the RoPE tables for `length` positions as buffers `rope_cos`, `rope_sin`."""
+    cos, sin = rope_tables(head_dim, length, base)
     module.register_buffer("rope_cos", cos, persistent=False)
     module.register_buffer("rope_sin", sin, persistent=False)
-    return True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -322,8 +314,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def mlp_width(config: GPTConfig) -> int:
-    if config.mlp_hidden is not None:
-        return config.mlp_hidden
-    d = config.n_embd  # SwiGLU: 2/3 of 4d (rounded up to 64) keeps GELU's parameter count
-    return 64 * math.ceil(8 * d / 3 / 64) if config.mlp == "swiglu" else 4 * d
+def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None = None) -> int:
+    """The MLP's hidden width: `mlp_hidden` if given, else 4d for GELU and, for SwiGLU, 2/3 of 4d rounded up to
+    a multiple of 64 (the same parameter count)."""
+    if mlp_hidden is not None:
+        return mlp_hidden
+    return 64 * math.ceil(8 * n_embd / 3 / 64) if mlp == "swiglu" else 4 * n_embd

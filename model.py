@@ -366,7 +366,9 @@ class CausalSelfAttention(nn.Module):
         self.v_norm = make_qkv_norm(config, scheme.v_norm)
         self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
-        self.rope = register_rope(self, config, self.head_dim)
+        self.rope = config.pos == "rope"
+        if self.rope:
+            register_rope(self, self.head_dim, config.block_size, config.rope_base)
         # <q g_q, k g_k> = <q (g_q g_k), k>: with nothing between the norms and the dot product, the keys'
         # gain rides on the queries and the keys' norm skips its multiply (a RoPE rotation would not commute)
         self.gains_on_queries = scheme.qk_norm and not self.rope
@@ -403,7 +405,7 @@ class MLP(nn.Module):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
-        hidden = mlp_width(config)
+        hidden = mlp_width(d, config.mlp, config.mlp_hidden)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
         self.proj = make_linear(config, hidden, d)
@@ -412,6 +414,23 @@ class MLP(nn.Module):
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
+
+
+def make_attention(config: GPTConfig) -> nn.Module:
+    """The block's attention: nGPT's unit-norm attention (ngpt.py) when the row's `hypersphere` is set."""
+    if not config.scheme.hypersphere:
+        return CausalSelfAttention(config)
+    rope_length = config.block_size if config.pos == "rope" else None
+    return SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.qk_norm,
+                           config.scheme.attn_scale, config.dropout, rope_length, config.rope_base)
+
+
+def make_mlp(config: GPTConfig) -> nn.Module:
+    """The block's MLP: nGPT's unit-norm MLP (ngpt.py) when the row's `hypersphere` is set."""
+    if not config.scheme.hypersphere:
+        return MLP(config)
+    hidden = mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
+    return SphereMLP(config.n_embd, hidden, config.bias, swiglu=config.mlp == "swiglu")
 
 
 # ----------------------------------------------------------------------------- block
@@ -463,10 +482,8 @@ class ResidualUpdate(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        sphere = config.scheme.hypersphere
-        attention, mlp = (SphereAttention, SphereMLP) if sphere else (CausalSelfAttention, MLP)
-        self.attn = ResidualUpdate(config, attention(config), "attn", 2 * layer + 1, layer)
-        self.mlp = ResidualUpdate(config, mlp(config), "mlp", 2 * layer + 2, layer)
+        self.attn = ResidualUpdate(config, make_attention(config), "attn", 2 * layer + 1, layer)
+        self.mlp = ResidualUpdate(config, make_mlp(config), "mlp", 2 * layer + 2, layer)
         if config.rezero_gate == "block" and isinstance(self.mlp.combine, ReZeroAdd):
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
