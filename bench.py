@@ -184,7 +184,7 @@ def profile_ops(cases: dict[str, Callable[[], None]], device: str, steps: int) -
     """Milliseconds per step of each op, per case: the median over `steps` steps, each under torch.profiler,
     interleaved across the cases as `time_interleaved` does (a slow patch of the machine would otherwise
     land on whichever case was profiled then). An op's time is its self time: an aten op's own kernels
-    (on the GPU when there is one), a fused autograd node's (one of layers.py's, or its backward) Python
+    (on the GPU when there is one), a fused autograd node's (one of fused.py's, or its backward) Python
     time between the ops it calls. The profiler adds a little time to every op it records, so a case
     made of many small ops looks slower under it than it is: take ratios from the timing table and
     the profile for where the time goes."""

@@ -1,11 +1,7 @@
 """
-One GPT that holds every normalization scheme as a row of `SCHEMES`.
-
-Reading order: the scheme table, the config, the factories that build a row's norms and combine rules,
-attention, MLP, the residual update, the block and the GPT. The primitives' math is in layers.py (the norm
-types, the combine rules with GeoNorm's geodesic step, RoPE); nGPT's unit-norm modules are in ngpt.py.
-
-Every block performs the same four steps for its attention and its MLP:
+One GPT that holds every normalization scheme as a row of `SCHEMES`. Reading order: the table, the config, the
+factories, attention, MLP, the residual update, the block, the GPT; the primitives' math is in layers.py and
+nGPT's unit-norm modules in ngpt.py. Every block performs the same four steps for its attention and its MLP:
 
     y = branch_scale * f(N_pre(x))      # sub-layer on an optionally normalized (LNS: and scaled) input
     y = N_mid(y)                        # optional norm of the sub-layer output
@@ -25,23 +21,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import (
-    DynamicErf,
-    DynamicTanh,
-    GainLinear,
-    GeodesicStep,
-    HeadwiseRMSNorm,
-    ReZeroAdd,
-    RMSNorm,
-    ScalarGain,
-    ScaledAdd,
-    apply_rope,
-    combine_coefficients,
-    geonorm_decay,
-    mlp_width,
-    register_rope,
-    softmax_scale,
-)
+import layers
 from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, SphereMLP
 
 
@@ -94,8 +74,7 @@ SCHEMES: dict[str, Scheme] = {
     "ngpt": Scheme("qk", combine="nlerp", attn_scale="sqrt(d)", tie_head=False),
 }
 
-# Row notes: what each row is and where it departs from its reference code; the files and lines, and the reason
-# for each choice, are in docs/schemes.md ("Differences from the reference code").
+# Row notes; the reference files and lines, and the reason for each choice: docs/schemes.md.
 # none: Bir et al. §5.1's norm-free baseline: orthogonal init (N(0, 0.02) would be tamer), no scalings, plain add.
 # peri: Peri-LN, x + N(f(N(x))) with the embedding and the output normalized (no code released: the paper's).
 # olmo2: x + N(f(x)), q/k normed over all heads, N(0, 0.02); OLMo-core unties the head, does not decay embeddings.
@@ -111,14 +90,12 @@ NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
 MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
 NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
-CHOICES = {  # the valid values of every text key
-    "norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),
-    "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
-    "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
-    "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
-    "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
-    "geonorm_radius": ("embedding", "sqrt_d"),
-}
+CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),  # every text key's values
+           "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
+           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
+           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
+           "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
+           "geonorm_radius": ("embedding", "sqrt_d")}
 
 
 @dataclass
@@ -180,8 +157,8 @@ def check_config(c: GPTConfig) -> None:
     if c.scheme.norms != "none" and not set(places) <= set(NORM_PLACES):
         raise ValueError(f"norms={c.scheme.norms!r} is not valid: give places from {', '.join(NORM_PLACES)} "
                          "joined by '+' (e.g. pre+qk+final), or 'none'")
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-        if getattr(c, key) < 1:
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "mlp_hidden", "embed_fan_in"):
+        if getattr(c, key) is not None and getattr(c, key) < 1:
             raise ValueError(f"{key}={getattr(c, key)} must be at least 1")
     alphas = c.norm_alpha_init if isinstance(c.norm_alpha_init, tuple) else (c.norm_alpha_init,)
     if len(alphas) not in (1, 3) or not all(isinstance(a, (int, float)) and a > 0 for a in alphas):
@@ -195,12 +172,8 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError(f"pos='rope' needs an even head size, got {c.n_embd // c.n_head}")
     if (c.in_features is None) != (c.out_features is None):
         raise ValueError("vector mode needs both in_features and out_features (or neither)")
-    if c.embed_fan_in is not None and c.embed_fan_in < 1:
-        raise ValueError(f"embed_fan_in={c.embed_fan_in} must be at least 1 (a count of input features), or None")
     if not 0 < c.geonorm_clamp <= math.pi:
         raise ValueError(f"geonorm_clamp={c.geonorm_clamp} must lie in (0, pi]")
-    if c.mlp_hidden is not None and c.mlp_hidden < 1:
-        raise ValueError(f"mlp_hidden={c.mlp_hidden} must be a positive width (or None for the default)")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
     if c.hypersphere and (c.vector_mode or c.gain_cap is not None):
@@ -216,11 +189,11 @@ def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
     if config.norm == "layernorm":
         return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
     if config.norm == "rmsnorm":
-        return RMSNorm(config.n_embd, eps=config.norm_eps)
+        return layers.RMSNorm(config.n_embd, eps=config.norm_eps)
     if config.norm in ELEMENTWISE_NORMS:
         alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
-        return {"dyt": DynamicTanh, "derf": DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
-    return HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
+        return {"dyt": layers.DynamicTanh, "derf": layers.DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
+    return layers.HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
 
 
 def without_parameters(norm: nn.Module) -> nn.Module:
@@ -251,13 +224,13 @@ def norm_alpha_init(config: GPTConfig, place: str) -> float:
 def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
     rule = config.scheme.combine
     if rule == "geodesic":
-        decay = geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return GeodesicStep(decay, config.geonorm_clamp)
+        decay = layers.geonorm_decay(config.geonorm_decay, layer, config.n_layer)
+        return layers.GeodesicStep(decay, config.geonorm_clamp)
     if rule in ("rezero", "rezero_block"):
-        return ReZeroAdd()
+        return layers.ReZeroAdd()
     if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)
         return NormalizedLerp(config.n_embd, NGPT_ALPHA_INIT, config.n_embd**-0.5)
-    return ScaledAdd(*combine_coefficients(rule, j, config.n_layer))
+    return layers.ScaledAdd(*layers.combine_coefficients(rule, j, config.n_layer))
 
 
 # ----------------------------------------------------------------------------- sub-layers
@@ -265,18 +238,18 @@ def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
 
 def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:
     if config.gain_cap is not None:
-        return GainLinear(d_in, d_out, config.bias, config.gain_cap)
+        return layers.GainLinear(d_in, d_out, config.bias, config.gain_cap)
     return nn.Linear(d_in, d_out, bias=config.bias)
 
 
 def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     """RMSNorm of (B, T, heads, head_dim) queries, keys or values: each head on its own (DNT eq. 10), or
-    the heads together with one gain per channel (`qk_norm_span="all"`, OLMo 2's norm of the whole projection)."""
+    the heads together with one gain per channel ("qk_all", OLMo 2's norm of the whole projection)."""
     if not wanted:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
     shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
-    norm = RMSNorm(shape, eps=config.norm_eps)
+    norm = layers.RMSNorm(shape, eps=config.norm_eps)
     return norm if scheme.norm_affine else without_parameters(norm)
 
 
@@ -292,9 +265,11 @@ class CausalSelfAttention(nn.Module):
         qk_norm = scheme.normalizes("qk", "qk_all", "qkv")
         self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
         self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
-        self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
+        self.scale = layers.softmax_scale(scheme.attn_scale, self.head_dim)
         self.dropout = config.dropout
-        self.rope = register_rope(self, config, self.head_dim)
+        self.rope = config.pos == "rope"
+        if self.rope:
+            layers.register_rope(self, self.head_dim, config.block_size, 10000.0)
         # <q g_q, k g_k> = <q (g_q g_k), k>: with nothing between the norms and the dot product, the keys'
         # gain rides on the queries and the keys' norm skips its multiply (a RoPE rotation would not commute)
         self.gains_on_queries = qk_norm and not self.rope
@@ -313,8 +288,8 @@ class CausalSelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_norm(self.v_proj(x).view(heads)).transpose(1, 2)
         if self.rope:
-            q = apply_rope(q, self.rope_cos, self.rope_sin)
-            k = apply_rope(k, self.rope_cos, self.rope_sin)
+            q = layers.apply_rope(q, self.rope_cos, self.rope_sin)
+            k = layers.apply_rope(k, self.rope_cos, self.rope_sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -331,7 +306,7 @@ class MLP(nn.Module):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
-        hidden = mlp_width(config)
+        hidden = layers.mlp_width(d, config.mlp, config.mlp_hidden)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
         self.proj = make_linear(config, hidden, d)
@@ -340,6 +315,23 @@ class MLP(nn.Module):
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
+
+
+def make_attention(config: GPTConfig) -> nn.Module:
+    """The block's attention: nGPT's unit-norm attention (ngpt.py) on the hypersphere (combine "nlerp")."""
+    if not config.hypersphere:
+        return CausalSelfAttention(config)
+    rope_length = config.block_size if config.pos == "rope" else None
+    return SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
+                           config.scheme.attn_scale, config.dropout, rope_length)
+
+
+def make_mlp(config: GPTConfig) -> nn.Module:
+    """The block's MLP: nGPT's unit-norm MLP (ngpt.py) on the hypersphere (combine "nlerp")."""
+    if not config.hypersphere:
+        return MLP(config)
+    hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
+    return SphereMLP(config.n_embd, hidden, config.bias, swiglu=config.mlp == "swiglu")
 
 
 # ----------------------------------------------------------------------------- block
@@ -396,9 +388,8 @@ class ResidualUpdate(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        attention, mlp = (SphereAttention, SphereMLP) if config.hypersphere else (CausalSelfAttention, MLP)
-        self.attn = ResidualUpdate(config, attention(config), "attn", 2 * layer + 1, layer)
-        self.mlp = ResidualUpdate(config, mlp(config), "mlp", 2 * layer + 2, layer)
+        self.attn = ResidualUpdate(config, make_attention(config), "attn", 2 * layer + 1, layer)
+        self.mlp = ResidualUpdate(config, make_mlp(config), "mlp", 2 * layer + 2, layer)
         if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
@@ -421,7 +412,7 @@ class GPT(nn.Module):
         else:
             self.wte = embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
-        self.embed_scale = ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
+        self.embed_scale = layers.ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.normalizes("input"))
         self.drop = nn.Dropout(config.dropout)
         # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (see GeodesicStep)
@@ -515,13 +506,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def apply_parameter_constraints(self) -> None:
-        """Put constrained parameters back on their sets; train.py calls this after every optimizer step
-        (and `__init__` once, so they start there).
-
-        Any sub-module with a `constrain_()` method takes part (a clamped gain, normalized weights);
-        for a model without one this is a no-op. It must be deterministic, so that every DDP rank and
-        a resumed run make the same change to the same weights.
-        """
+        """Put constrained parameters (any sub-module's `constrain_()`: a clamped gain, unit-norm weights) back
+        on their sets, after every optimizer step and once at init; deterministic, so every rank agrees."""
         for module in self.modules():
             if module is not self and hasattr(module, "constrain_"):
                 module.constrain_()
@@ -529,8 +515,7 @@ class GPT(nn.Module):
     # ---- utilities
 
     def get_num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; position embeddings are left out by default, and so is a token embedding
-        that is not tied to the head (a lookup table costs no matmul; a tied one is counted once)."""
+        """Parameter count; by default without position embeddings and an untied token embedding (lookups)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()

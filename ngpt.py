@@ -8,22 +8,29 @@ where they differ, the docstrings below say which one is followed and why it doe
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layers import NormalizedLerpFunction, UnitNormFunction, apply_rope, fused, mlp_width, register_rope, softmax_scale
+from fused import fast_normalized_lerp, fast_unit_norm, fused
+from layers import apply_rope, register_rope, softmax_scale
 
-if TYPE_CHECKING:
-    from model import GPTConfig
+
+def unit_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the floor eps only guards a zero vector (`F.normalize`)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def normalized_lerp(h: torch.Tensor, y: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    """nGPT's residual update (eq. 10, 11): h <- Norm(h + alpha (Norm(y) - h)), in h's dtype (a bf16 sub-layer
+    output under autocast is normalized in float32)."""
+    return unit_norm(h + alpha * (unit_norm(y.to(h.dtype), eps) - h), eps)
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """nGPT's Norm: x / ||x|| over the last axis, no gain; the 1e-12 floor only guards a zero vector
-    (`F.normalize`, computed by the fused `UnitNormFunction`)."""
-    return fused(UnitNormFunction, x, 1e-12)
+    """`unit_norm` with the floor 1e-12 (`F.normalize`'s), as nGPT's modules apply it."""
+    return fused(fast_unit_norm, unit_norm, x, 1e-12)
 
 
 @torch.no_grad()
@@ -114,7 +121,7 @@ class NormalizedLerp(nn.Module):
         self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return fused(NormalizedLerpFunction, x, y, self.alpha().abs().to(x.dtype), 1e-12)  # unit(lerp(x, unit(y), |a|))
+        return fused(fast_normalized_lerp, normalized_lerp, x, y, self.alpha().abs().to(x.dtype), 1e-12)
 
 
 class SphereAttention(nn.Module):
@@ -127,16 +134,19 @@ class SphereAttention(nn.Module):
     each head's channels. qk_norm=False drops the normalization and s_qk (the paper's Table 6 ablation).
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, n_embd: int, n_head: int, bias: bool, qk_norm: bool, attn_scale: str, dropout: float,
+                 rope_length: int | None = None, rope_base: float = 10000.0):
         super().__init__()
-        d, self.n_head = config.n_embd, config.n_head
-        self.head_dim = d // config.n_head
-        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, config.bias, unit_dim=1) for _ in range(3))
-        self.out_proj = SphereLinear(d, d, config.bias, unit_dim=0)
-        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if config.scheme.normalizes("qk", "qk_all", "qkv") else None
-        self.scale = softmax_scale(config.scheme.attn_scale, self.head_dim)
-        self.dropout = config.dropout
-        self.rope = register_rope(self, config, self.head_dim)
+        d, self.n_head = n_embd, n_head
+        self.head_dim = d // n_head
+        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, bias, unit_dim=1) for _ in range(3))
+        self.out_proj = SphereLinear(d, d, bias, unit_dim=0)
+        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if qk_norm else None
+        self.scale = softmax_scale(attn_scale, self.head_dim)
+        self.dropout = dropout
+        self.rope = rope_length is not None  # RoPE tables for rope_length positions; None: no RoPE
+        if self.rope:
+            register_rope(self, self.head_dim, rope_length, rope_base)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them."""
@@ -172,13 +182,12 @@ class SphereMLP(nn.Module):
     mlp="gelu" (not in nGPT) the one input map feeds the nonlinearity and takes v's scaling.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, n_embd: int, hidden: int, bias: bool, swiglu: bool):
         super().__init__()
-        d, hidden = config.n_embd, mlp_width(config)
-        self.swiglu = config.mlp == "swiglu"
-        self.fc = SphereLinear(d, hidden, config.bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
-        self.gate = SphereLinear(d, hidden, config.bias, unit_dim=1) if self.swiglu else None  # v
-        self.proj = SphereLinear(hidden, d, config.bias, unit_dim=0)
+        d, self.swiglu = n_embd, swiglu
+        self.fc = SphereLinear(d, hidden, bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
+        self.gate = SphereLinear(d, hidden, bias, unit_dim=1) if swiglu else None  # v
+        self.proj = SphereLinear(hidden, d, bias, unit_dim=0)
         self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
         self.s_v = LearnedScale(hidden, 1.0, 1.0)
         self.sqrt_d = math.sqrt(d)

@@ -125,7 +125,7 @@ def test_gpu_report_without_cuda_exits_2(monkeypatch, capsys, tmp_path):
 def test_compiled_step_matches_eager_on_cuda(scheme):
     """Inductor's CUDA kernels keep the math: float32 logits and gradients as eager's (TF32 off: both sides in
     full float32, so differences are summation order, ~1e-6 relative). Under torch 2.11 GeoNorm's and nGPT's
-    gradients were wrong here while their hand-written nodes were traced (see layers.fused)."""
+    gradients were wrong here while their hand-written nodes were traced (see fused.fused)."""
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
