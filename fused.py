@@ -8,7 +8,7 @@ forward, gradcheck in float64, and autograd's gradients of the formula.
 Why: autograd through a chain of eager ops saves every intermediate and makes a pass over the tensor
 for each op and each op's gradient; on a CPU, where these elementwise passes are memory bound and
 nothing fuses them, that made GeoNorm's step and QK-norm the slowest parts of their schemes. Each node
-computes its reductions once and builds each gradient in a few passes (BENCHMARKS.md).
+computes its reductions once and builds each gradient in a few passes (docs/speed.md).
 
 This module imports nothing of the project's: layers.py and ngpt.py import it, never the reverse.
 """
@@ -276,7 +276,7 @@ class GeodesicStepFunction(torch.autograd.Function):
     and x in three), plus one under autocast to cast the bf16 sub-layer's gradient. The dot products'
     products go into the buffers the outputs are then built in, which are still in cache. Autograd
     through the same eager ops saves and re-reads every intermediate, and takes about twice as long on
-    a CPU (BENCHMARKS.md).
+    a CPU (docs/speed.md).
     """
 
     @staticmethod

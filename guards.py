@@ -326,7 +326,7 @@ def reuse_freed_memory() -> bool:
     By default glibc gives each block above a self-adjusting threshold (128 KiB, rising up to 32 MiB)
     its own mmap, unmaps it when freed and trims the heap's free top, so the activation and gradient
     tensors a CPU step allocates afresh are page-faulted in again every step (at the CPU bench shape
-    2,100 to 13,200 faults and 2 to 26 ms of kernel time per step; see BENCHMARKS.md). Fixing both
+    2,100 to 13,200 faults and 2 to 26 ms of kernel time per step; see docs/speed.md). Fixing both
     thresholds keeps blocks up to 32 MiB (glibc's maximum) on the heap and the heap from shrinking, so
     freed memory is reused; the price is that the process keeps its peak heap size. No effect on GPU
     memory (torch caches that itself), outside Linux with glibc, or where MALLOC_MMAP_THRESHOLD_ or
