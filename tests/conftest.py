@@ -29,10 +29,37 @@ def tiny_run_args(data_dir: str, out_dir: str, **overrides) -> list[str]:
     return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in settings.items()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
+def cpu_peak_measured_once():
+    """train.py measures the CPU's matmul peak (the MFU denominator: 2048^3 matmuls, about a second) at the start
+    of every run; the in-process runs of a session reuse the first measurement per dtype and thread count, as
+    the machine's peak does not change between them. Subprocess runs (and diagnostics.device_peak_flops itself,
+    which tests call directly) still measure."""
+    import torch
+
+    import train
+
+    measure, measured = train.device_peak_flops, {}
+
+    def once(device: str, dtype: torch.dtype = torch.float32) -> float:
+        if device != "cpu":
+            return measure(device, dtype)
+        key = (dtype, torch.get_num_threads())
+        if key not in measured:
+            measured[key] = measure(device, dtype)
+        return measured[key]
+
+    train.device_peak_flops = once
+    yield
+    train.device_peak_flops = measure
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny models run fastest on one thread, and so do the subprocesses (OMP_NUM_THREADS=1): a second
-    thread only spins against other work on a shared machine. Use with pytest.mark.usefixtures."""
+    thread only spins against other work on a shared machine (a 30-step tiny run took 0.4 s on one thread and
+    20-30 s on two with the other core busy). Every test of the session runs so; modules that name the fixture
+    (pytest.mark.usefixtures) say that they rely on it."""
     import torch
 
     threads = torch.get_num_threads()

@@ -123,16 +123,21 @@ def test_norm_eps_0_is_refused():
 
 def test_a_batch_too_big_for_memory_exits_2(data_dir, tmp_path):
     """--batch_size=100000000: refused before anything is allocated, not an allocator traceback (nor the kernel's
-    OOM kill); the address space is capped so that a regression fails here instead of filling the machine."""
+    OOM kill); the address space is capped so that a regression fails here instead of filling the machine. The
+    ICL task (whose fixed eval sets add to the need) as a train.py process; the language model's refusal by the
+    same check, which train.run makes for both tasks before building either, is called here directly (nothing
+    allocated in this process even if it failed to refuse)."""
     def cap_memory():
         resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
-    for task in ({"task": "icl", "icl_pairs": 16}, {}):
-        args = tiny_run_args(data_dir, str(tmp_path / "run"), batch_size=100_000_000, **task)
-        result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                                timeout=120, preexec_fn=cap_memory, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert "batch_size=100000000 needs at least" in result.stderr and "lower --batch_size" in result.stderr
+    args = tiny_run_args(data_dir, str(tmp_path / "run"), batch_size=100_000_000, task="icl", icl_pairs=16)
+    result = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, preexec_fn=cap_memory, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "batch_size=100000000 needs at least" in result.stderr and "lower --batch_size" in result.stderr
+    cfg, model_args = train.load_config(tiny_run_args(data_dir, str(tmp_path / "run"), batch_size=100_000_000))
+    with pytest.raises(train.ConfigError, match=r"^batch_size=100000000 needs at least .*lower --batch_size"):
+        lm_task.check_batch_fits(cfg, model_args, "cpu")
 
 
 def test_the_icl_demo_with_a_batch_too_big_for_memory_exits_2():

@@ -63,7 +63,8 @@ def assert_same_tensors(a, b) -> None:
 # ----------------------------------------------------------------------------- exact resume in-process
 
 
-# plain float32 AdamW is left out: test_killed_run_resumes_exactly's AdamW cases check it (dropout 0.1, bitwise)
+# plain float32 AdamW is left out: test_train.py's test_resume_continues_exactly and test_killed_run_resumes_exactly's
+# AdamW cases check it (dropout 0.1, bitwise)
 @pytest.mark.parametrize("optimizer, extra", [(name, {}) for name in optim.OPTIMIZERS if name != "adamw"]
                          + [("adamw", {"dtype": "float16", "max_iters": 6})])
 def test_resume_is_bitwise_for_every_optimizer(data_dir, tmp_path, optimizer, extra):
@@ -171,7 +172,11 @@ def test_two_ranks_stop_together_on_an_input_error_only_rank_0_sees(straight_run
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 @pytest.mark.parametrize("optimizer, nproc, delay, stop", [
-    ("adamw", 1, 0.0, "SIGKILL"), ("manifold_muon", 1, 0.15, "SIGKILL"), ("adamw", 2, 0.0, "SIGTERM"),
+    # slow: a SIGKILLed single process resuming bitwise is the Manifold Muon case below, plain float32 AdamW
+    # resuming bitwise (dropout 0.1) is test_train.py's test_resume_continues_exactly in-process and the
+    # two-rank AdamW case below (SIGTERM, then the same bitwise comparison of every loss and the final state)
+    pytest.param("adamw", 1, 0.0, "SIGKILL", marks=pytest.mark.slow),
+    ("manifold_muon", 1, 0.15, "SIGKILL"), ("adamw", 2, 0.0, "SIGTERM"),
     # slow (half a minute on 2 cores): its parts are covered by the single-process Manifold Muon kill above,
     # the two-rank resume above and tests/test_optim.py's sharded Manifold Muon against one process
     pytest.param("manifold_muon", 2, 0.15, "SIGKILL", marks=pytest.mark.slow)])
@@ -332,22 +337,26 @@ def status(out_dir: str) -> dict:
     return last
 
 
-def test_absurd_learning_rate_exits_3_and_keeps_the_last_checkpoint(data_dir, tmp_path):
+def test_absurd_learning_rate_exits_3_and_keeps_the_last_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
     """Resume a healthy run with lr 1e30: the first update sends the weights to ~1e30, the next
-    forward overflows. The process exits 3, says where, logs the status and keeps ckpt.pt."""
+    forward overflows. train.py's main exits 3, says where, logs the status and keeps ckpt.pt. (In this
+    process: a train.py process exiting 3 is tested by test_two_ranks_stop_together_on_divergence and by
+    test_tools.py's diverged sweep run.)"""
     out = str(tmp_path / "run")
     assert train.train(tiny_run_args(data_dir, out, max_iters=4)) == 0
     before = (tmp_path / "run" / "ckpt.pt").read_bytes()
-    result = subprocess.run([sys.executable, "train.py", *tiny_run_args(data_dir, out, max_iters=8, learning_rate=1e30,
-                                                                         init_from="resume")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == guards.EXIT_DIVERGED, result.stderr
+    monkeypatch.setattr(sys, "argv", ["train.py", *tiny_run_args(data_dir, out, max_iters=8, learning_rate=1e30,
+                                                                 init_from="resume")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main()
+    result = capsys.readouterr()
+    assert exit_info.value.code == guards.EXIT_DIVERGED, result.err
     record = status(out)
     # the non-finite loss of iter 6 poisoned every weight through its step: no block can be named
     assert record["iter"] == 6 and record["reason"] == "non-finite training loss" and record["block"] is None
     assert record["nonfinite"][0] == "wte.weight" and record["n_nonfinite"] > len(record["nonfinite"])
-    assert "diverged at iter 6: non-finite training loss; non-finite: wte.weight, wpe.weight" in result.stderr
+    assert "diverged at iter 6: non-finite training loss; non-finite: wte.weight, wpe.weight" in result.err
     assert (tmp_path / "run" / "ckpt.pt").read_bytes() == before
     assert run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")["iter_num"] == 4
 

@@ -10,6 +10,8 @@ import time
 
 from conftest import ROOT, tiny_run_args
 
+from sweep import main as sweep_main
+
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 
 
@@ -44,7 +46,9 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_sigterm_stops_the_runs_with_the_sweep_and_the_same_command_resumes(data_dir, tmp_path):
+def test_sigterm_stops_the_runs_with_the_sweep_and_the_same_command_resumes(data_dir, tmp_path, capsys):
+    """The stopped sweep is a process, the signal sent to it alone; the same command then runs through sweep.py's
+    main in this process (its run, resumed, is again a train.py process)."""
     out_root, run = str(tmp_path / "sweep"), str(tmp_path / "sweep" / "seed=1")
     command = sweep_command(data_dir, out_root, max_iters=600)
     sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,8 +69,10 @@ def test_sigterm_stops_the_runs_with_the_sweep_and_the_same_command_resumes(data
     assert status[-1]["status"] == "stopped" and status[-1]["signal"] == "SIGTERM"  # saved, then stopped
     assert read_json(run, "run.json")["exit_code"] == 4
 
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"start {run} (resume)" in again.stdout
+    assert command[:2] == [sys.executable, "sweep.py"]
+    code = sweep_main(command[2:])
+    again = capsys.readouterr()
+    assert code == 0, again.out + again.err
+    assert f"start {run} (resume)" in again.out
     info = read_json(run, "run.json")
     assert info["exit_code"] == 0 and info["settings"]["max_iters"] == 600 and info["settings"]["n_layer"] == 2

@@ -2,6 +2,8 @@
 PNGs, samples."""
 
 import ast
+import contextlib
+import io
 import json
 import math
 import os
@@ -9,7 +11,6 @@ import pathlib
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 
 import pytest
@@ -47,14 +48,16 @@ def sweep_root(data_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def diverged_root(data_dir, tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    """One run with learning rate 1e6, through the command line."""
+def diverged_root(data_dir, tmp_path_factory) -> tuple[str, int, str]:
+    """One run with learning rate 1e6, a train.py process, through sweep.py's command line (its main, in this
+    process: test_sweep_runs.py runs sweep.py as a process); the sweep's exit code and what it printed."""
     out_root = str(tmp_path_factory.mktemp("diverged"))
     fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
-    cmd = [sys.executable, "sweep.py", CONFIG, "--grid", "learning_rate=1e6", "--out_root", out_root,
-           "--threads_per_run", "1", "--set", *fixed]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    return out_root, result
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        code = sweep.main([CONFIG, "--grid", "learning_rate=1e6", "--out_root", out_root, "--threads_per_run", "1",
+                           "--set", *fixed])
+    return out_root, code, printed.getvalue()
 
 
 def imported_modules(path: str) -> set[str]:
@@ -156,12 +159,12 @@ def test_unfinished_run_resumes_from_its_checkpoint(sweep_root, data_dir, tmp_pa
 
 
 def test_diverging_run_is_reported_with_its_iteration(diverged_root):
-    out_root, result = diverged_root
-    assert result.returncode == 0, result.stdout + result.stderr  # a divergence is a result, not a failure
+    out_root, code, printed = diverged_root
+    assert code == 0, printed  # a divergence is a result, not a failure
     (row,) = read_summary(out_root)["runs"]
     status = [r for r in plot.load_metrics(row["out_dir"]) if r["kind"] == "status"]
     assert row["exit_code"] == 3 and status and row["diverged_at"] == status[0]["iter"]
-    assert f"diverged at iteration {row['diverged_at']}" in result.stdout
+    assert f"diverged at iteration {row['diverged_at']}" in printed
     (point,) = read_summary(out_root)["grid_points"]
     assert point["diverged"] == 1 and point["val_loss_mean"] is None  # a diverged run is not averaged
 
@@ -468,17 +471,33 @@ def test_a_best_rate_that_fails_on_another_seed_is_flagged():
     assert sweep.point_warnings(None, {1: 2.0, 2: 2.1}) is None
 
 
-def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_out_ones(data_dir, tmp_path):
+class TrainInProcess:
+    """What sweep.CHILDREN.start returns in place of a train.py process: the same run, done in this process by
+    train.train on the process's arguments with its output going to the same log, ended with its exit code."""
+
+    def __init__(self, command: list[str], stdout, **options):
+        assert command[:2] == [sys.executable, sweep.TRAIN]
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
+            self.returncode = train.train(command[2:])
+
+    def wait(self) -> int:
+        return self.returncode
+
+
+def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_out_ones(data_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
     """Seed 7 runs every rate and picks each point's best; seeds 1 and 2 run at that rate only and are the only
-    seeds the mean ± std, the verdict, the leaderboard and best_lr_runs count."""
+    seeds the mean ± std, the verdict, the leaderboard and best_lr_runs count. The sweep's 8 runs are done in
+    this process, one at a time (TrainInProcess): sweep.py starting its runs as train.py processes, several at
+    a time, is tested by sweep_root's and diverged_root's sweeps and test_sweep_runs.py."""
     out_root = str(tmp_path / "lr")
     fixed = [f"{k}={v}" for k, v in tiny_settings(data_dir).items() if k != "learning_rate"]
-    cmd = [sys.executable, "sweep.py", CONFIG, "--grid", "norm_scheme=pre,post", "--lr_grid", "1e-3,1e-2",
-           "--select_seeds", "7", "--seeds", "1,2", "--jobs", "2", "--threads_per_run", "1",
-           "--baseline", "norm_scheme=pre", "--row_claim", "norm_scheme=post:lower:0.05",
-           "--out_root", out_root, "--set", *fixed]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    monkeypatch.setattr(sweep.CHILDREN, "start", TrainInProcess)
+    code = sweep.main([CONFIG, "--grid", "norm_scheme=pre,post", "--lr_grid", "1e-3,1e-2", "--select_seeds", "7",
+                       "--seeds", "1,2", "--jobs", "1", "--threads_per_run", "1", "--baseline", "norm_scheme=pre",
+                       "--row_claim", "norm_scheme=post:lower:0.05", "--out_root", out_root, "--set", *fixed])
+    result = capsys.readouterr()
+    assert code == 0, result.out + result.err
     summary = read_summary(out_root)
     assert (summary["select_seeds"], summary["held_out_seeds"]) == ([7], [1, 2])
     assert len(summary["runs"]) == 2 * (2 + 2)  # 2 schemes x (2 rates on seed 7 + seeds 1, 2 at the best rate)
@@ -492,11 +511,11 @@ def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_o
             {point["best_lr"]}
         assert sorted(point["seed_losses"]) == ["1", "2"]  # seed 7 ran the best rate too, and is left out
         assert point["val_loss_mean"] == pytest.approx(statistics.fmean(r["val_loss"] for r in held_out))
-        assert f"{point['val_loss_mean']:.4f} ± " in point["val_loss_mean_std"] and "(n=2)" in result.stdout
+        assert f"{point['val_loss_mean']:.4f} ± " in point["val_loss_mean_std"] and "(n=2)" in result.out
     post = summary["lr_points"][1]
     assert (post["claim"], post["delta"], post["n_seeds"]) == ("lower", 0.05, [2, 2])
     assert post["verdict"].startswith("inconclusive at this scale")  # two held-out seeds decide nothing
-    assert "| lower | 0.05 |" in result.stdout and "2 vs 2" in result.stdout
+    assert "| lower | 0.05 |" in result.out and "2 vs 2" in result.out
     # min_lr keeps its ratio to the swept rate (cpu_base: 2e-4 at 2e-3)
     argv = sweep.read_json(os.path.join(summary["runs"][0]["out_dir"], "run.json"))["argv"]
     assert "--min_lr=0.0001" in argv and "--learning_rate=1e-3" in argv
