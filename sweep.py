@@ -1319,9 +1319,12 @@ def summary_type_error(summary: dict) -> str | None:
 def setup_difference(summary: dict, base: dict) -> str | None:
     """How one sweep's recorded setup and fixed settings differ from the baseline sweep's, over what both
     record and neither sweeps (grid keys, rates); None if they agree."""
+    def recorded(s: dict) -> dict:  # a scheme's column overrides count key by key, like any other setting
+        both = {**s.get("setup", {}), **s.get("settings", {})}
+        return {**{k: v for k, v in both.items() if k != "overrides"}, **(both.get("overrides") or {})}
+
     swept = {*summary.get("swept", summary["keys"]), *base.get("swept", base["keys"])}
-    mine = {**summary.get("setup", {}), **summary.get("settings", {})}
-    theirs = {**base.get("setup", {}), **base.get("settings", {})}
+    mine, theirs = recorded(summary), recorded(base)
     differ = [f"{k} {mine[k]} here, {theirs[k]} in the baseline's" for k in mine
               if k in theirs and k not in (*swept, "seeds", "data_dir") and mine[k] != theirs[k]]
     return ", ".join(differ) or None

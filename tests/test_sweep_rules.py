@@ -517,6 +517,18 @@ def test_leaderboard_withholds_the_verdict_between_different_setups(tmp_path):
     assert same["verdict"].startswith("contradicted")  # the seed count is not a setup
 
 
+def test_a_swept_scheme_column_is_compared_and_an_unswept_one_is_a_setup():
+    """--grid norms=... sweeps a column of the scheme, recorded in the settings' overrides: two sweeps that differ
+    only there are compared; a column neither sweeps, set differently, withholds the verdict."""
+    def summary(**overrides):
+        return {"keys": ["norms"], "swept": ["norms", "learning_rate"], "setup": {"n_layer": 4},
+                "settings": {"overrides": overrides}}
+    base = summary(norms="pre+final")
+    assert sweep.setup_difference(summary(norms="pre+qk+final"), base) is None
+    assert "attn_scale 1 here" in sweep.setup_difference(summary(norms="pre+qk+final", attn_scale="1"),
+                                                         summary(norms="pre+final", attn_scale="1/sqrt(d)"))
+
+
 def test_leaderboard_refuses_a_summary_that_disagrees_with_its_runs(tmp_path, capsys):
     """A seed's loss edited in summary.json (the verdict reads those), or a run's final loss that its
     metrics.jsonl no longer ends with (a run changed since), is refused, not compared."""
