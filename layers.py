@@ -66,6 +66,25 @@ class HeadwiseRMSNorm(nn.Module):
         return fused(fast_rms_norm, rms_norm, groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
 
 
+def make_norm(kind: str, dim: int, n_head: int, eps: float, bias: bool, alpha_init: float) -> nn.Module:
+    """The norm of type `kind` (model.NORM_TYPES) over `dim` channels; alpha_init: DyT's and Derf's alpha."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    if kind in ("dyt", "derf"):
+        return {"dyt": DynamicTanh, "derf": DynamicErf}[kind](dim, alpha_init, bias)
+    return HeadwiseRMSNorm(dim, n_head, eps=eps)
+
+
+def without_parameters(norm: nn.Module) -> nn.Module:
+    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
+    for name, p in list(norm.named_parameters(recurse=False)):
+        delattr(norm, name)
+        norm.register_buffer(name, p.detach(), persistent=False)
+    return norm
+
+
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """DyT (Zhu et al., 2025, eq. 1): gamma * tanh(alpha * x) + beta, elementwise."""
     out = weight * torch.tanh(alpha * x)
@@ -320,3 +339,22 @@ def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None = None) -> int:
     if mlp_hidden is not None:
         return mlp_hidden
     return 64 * math.ceil(8 * n_embd / 3 / 64) if mlp == "swiglu" else 4 * n_embd
+
+
+def init_block_matrix(init: str, name: str, weight: torch.Tensor, n_layer: int) -> None:
+    """Draw a block's matrix `name` (its path in the block: attn.sublayer.q_proj, mlp.sublayer.fc, ...) by the
+    row's `init`; the GPT-2 default N(0, 0.02) is already drawn, and "normal" (OLMo 2, LNS) keeps it."""
+    residual_out = name.endswith(("out_proj", "mlp.sublayer.proj"))
+    if init == "gpt2" and residual_out:
+        # GPT-2: residual projections scaled by 1/sqrt(2L) (2 residual updates per block)
+        nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+    elif init == "xavier":
+        nn.init.xavier_normal_(weight)
+    elif init == "deepnorm":
+        # DeepNet (decoder-only): beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1
+        beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
+        nn.init.xavier_normal_(weight, gain=beta)
+    elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
+        nn.init.orthogonal_(weight)
+    elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
+        nn.init.zeros_(weight)

@@ -44,10 +44,9 @@ class Scheme(NamedTuple):
         return not set(places).isdisjoint(self.norms.split("+"))
 
 
-# Where a scheme can normalize: the embedding ("input"); each sub-layer's input ("pre" both, "pre_attn", "pre_mlp");
-# q and k per head (DNT eq. 10), over the whole projection (OLMo 2) or with v too (HybridNorm's QKV-norm); each
-# sub-layer's output ("mid"); the stream after each update ("post") or the attention update only (HybridNorm);
-# the stream before the head ("final").
+# Where a scheme can normalize: the embedding; each sub-layer's input (both, or one); q and k per head (DNT eq. 10),
+# over all heads (OLMo 2) or with v (HybridNorm); each sub-layer's output; the stream after each update (or the
+# attention's only: HybridNorm); the stream before the head.
 NORM_PLACES = ("input", "pre", "pre_attn", "pre_mlp", "qk", "qk_all", "qkv", "mid", "post", "post_attn", "final")
 
 SCHEMES: dict[str, Scheme] = {
@@ -184,31 +183,13 @@ def check_config(c: GPTConfig) -> None:
 # ----------------------------------------------------------------------------- norms
 
 
-def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
-    """The norm named by `config.norm`; alpha_init sets DyT/Derf's alpha here (None: `norm_alpha_init`)."""
-    if config.norm == "layernorm":
-        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-    if config.norm == "rmsnorm":
-        return layers.RMSNorm(config.n_embd, eps=config.norm_eps)
-    if config.norm in ELEMENTWISE_NORMS:
-        alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
-        return {"dyt": layers.DynamicTanh, "derf": layers.DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
-    return layers.HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
-
-
-def without_parameters(norm: nn.Module) -> nn.Module:
-    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
-    for name, p in list(norm.named_parameters(recurse=False)):
-        delattr(norm, name)
-        norm.register_buffer(name, p.detach(), persistent=False)
-    return norm
-
-
 def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None) -> nn.Module:
+    """The norm named by `config.norm` where `wanted` (alpha_init: DyT/Derf's alpha here; None: the MLP's)."""
     if not wanted:
         return nn.Identity()
-    norm = make_norm(config, alpha_init)
-    return norm if config.scheme.norm_affine else without_parameters(norm)
+    alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
+    norm = layers.make_norm(config.norm, config.n_embd, config.n_head, config.norm_eps, config.bias, alpha)
+    return norm if config.scheme.norm_affine else layers.without_parameters(norm)
 
 
 def norm_alpha_init(config: GPTConfig, place: str) -> float:
@@ -250,7 +231,7 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
     shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
     norm = layers.RMSNorm(shape, eps=config.norm_eps)
-    return norm if scheme.norm_affine else without_parameters(norm)
+    return norm if scheme.norm_affine else layers.without_parameters(norm)
 
 
 class CausalSelfAttention(nn.Module):
@@ -259,8 +240,7 @@ class CausalSelfAttention(nn.Module):
         d, self.n_head = config.n_embd, config.n_head
         self.head_dim = d // config.n_head
         # separate q/k/v maps: each is its own matrix for the inits and Muon-style optimizers
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            make_linear(config, d, d) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (make_linear(config, d, d) for _ in range(4))
         scheme = config.scheme
         qk_norm = scheme.normalizes("qk", "qk_all", "qkv")
         self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
@@ -317,33 +297,24 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def make_attention(config: GPTConfig) -> nn.Module:
-    """The block's attention: nGPT's unit-norm attention (ngpt.py) on the hypersphere (combine "nlerp")."""
+def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]:
+    """Block `layer`'s attention and MLP: nGPT's unit-norm ones (ngpt.py) on the hypersphere (combine "nlerp")."""
     if not config.hypersphere:
-        return CausalSelfAttention(config)
+        return CausalSelfAttention(config), MLP(config)
     rope_length = config.block_size if config.pos == "rope" else None
-    return SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
-                           config.scheme.attn_scale, config.dropout, rope_length)
-
-
-def make_mlp(config: GPTConfig) -> nn.Module:
-    """The block's MLP: nGPT's unit-norm MLP (ngpt.py) on the hypersphere (combine "nlerp")."""
-    if not config.hypersphere:
-        return MLP(config)
     hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
-    return SphereMLP(config.n_embd, hidden, config.bias, swiglu=config.mlp == "swiglu")
+    return (SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
+                            config.scheme.attn_scale, config.dropout, rope_length),
+            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu"))
 
 
 # ----------------------------------------------------------------------------- block
 
 
 def block_scheme(config: GPTConfig, layer: int) -> Scheme:
-    """The row as block `layer` (0-based) uses it: the `first_blocks` rule may place its norms differently.
-
-    "post" (Mix-LN, Li et al.): Post-Norm in the first floor(MIXLN_FRACTION * L) blocks, the row's Pre-Norm after
-    them, as `post_pre` of the LayerNorm-Scaling code. "pre" (HybridNorm*, Zhuo et al.): block 0 is Pre-Norm on
-    both sub-layers and keeps the row's QKV-norm, as the HybridNorm code's `norm_pos_special_config` for block 0.
-    """
+    """The row as block `layer` (0-based) uses it. first_blocks="post" (Mix-LN, Li et al.): Post-Norm in the first
+    floor(MIXLN_FRACTION * L) blocks, as LayerNorm-Scaling's `post_pre`; "pre" (HybridNorm*, Zhuo et al.): block 0
+    Pre-Norm on both sub-layers with the row's QKV-norm, as HybridNorm's `norm_pos_special_config`."""
     scheme = config.scheme
     if scheme.first_blocks == "post" and layer < math.floor(MIXLN_FRACTION * config.n_layer):
         return with_norms(scheme, drop=("pre", "pre_attn", "pre_mlp", "post_attn"), add="post")
@@ -388,8 +359,9 @@ class ResidualUpdate(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.attn = ResidualUpdate(config, make_attention(config), "attn", 2 * layer + 1, layer)
-        self.mlp = ResidualUpdate(config, make_mlp(config), "mlp", 2 * layer + 2, layer)
+        attn, mlp = make_sublayers(config, layer)
+        self.attn = ResidualUpdate(config, attn, "attn", 2 * layer + 1, layer)
+        self.mlp = ResidualUpdate(config, mlp, "mlp", 2 * layer + 2, layer)
         if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
 
@@ -407,10 +379,8 @@ class GPT(nn.Module):
         scheme = config.scheme
         d = config.n_embd
         embedding = SphereEmbedding if config.hypersphere else nn.Embedding
-        if config.vector_mode:
-            self.wte = nn.Linear(config.in_features, d, bias=False)
-        else:
-            self.wte = embedding(config.vocab_size, d)
+        vector = config.vector_mode
+        self.wte = nn.Linear(config.in_features, d, bias=False) if vector else embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
         self.embed_scale = layers.ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.normalizes("input"))
@@ -420,19 +390,15 @@ class GPT(nn.Module):
         self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.final_norm = maybe_norm(config, scheme.normalizes("final"), norm_alpha_init(config, "final"))
-        if config.vector_mode:
-            self.lm_head = nn.Linear(d, config.out_features, bias=False)
-        elif config.hypersphere:
-            self.lm_head = SphereHead(d, config.vocab_size)
-        else:
-            self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        if scheme.tie_head and not config.vector_mode:
+        out = config.out_features if vector else config.vocab_size
+        self.lm_head = SphereHead(d, out) if config.hypersphere else nn.Linear(d, out, bias=False)
+        if scheme.tie_head and not vector:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
         self.apply(self._init_weights)
         for block in self.blocks:
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
-                    self._init_block_linear(name, module.weight)
+                    layers.init_block_matrix(scheme.init, name, module.weight, config.n_layer)
         self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
 
     # ---- initialization
@@ -447,25 +413,6 @@ class GPT(nn.Module):
             # Bir et al. §4.3: N(0, 1/s) with s non-zero input features, so embedded RMS ~ 1
             fan_in = self.config.embed_fan_in or self.config.in_features
             nn.init.normal_(module.weight, mean=0.0, std=fan_in**-0.5)
-
-    def _init_block_linear(self, name: str, weight: torch.Tensor) -> None:
-        """The hidden matrices' init named by the scheme's `init` primitive."""
-        init, n_layer = self.config.scheme.init, self.config.n_layer
-        residual_out = name.endswith(("out_proj", "mlp.sublayer.proj"))
-        if init == "gpt2" and residual_out:
-            # GPT-2: residual projections scaled by 1/sqrt(2L) (2 residual updates per block)
-            nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-        elif init == "xavier":
-            nn.init.xavier_normal_(weight)
-        elif init == "deepnorm":
-            # DeepNet (decoder-only): beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1
-            beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
-            nn.init.xavier_normal_(weight, gain=beta)
-        elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
-            nn.init.orthogonal_(weight)
-        elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
-            nn.init.zeros_(weight)
-        # "normal" (OLMo 2, LNS) keeps N(0, 0.02) everywhere: no 1/sqrt(2L) on the residual projections
 
     # ---- forward
 
