@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.nn import functional as F
 
 from fused import fast_derf, fast_dyt, fast_geodesic_step, fast_rms_norm, fused
 
@@ -358,3 +360,80 @@ def init_block_matrix(init: str, name: str, weight: torch.Tensor, n_layer: int) 
         nn.init.orthogonal_(weight)
     elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
         nn.init.zeros_(weight)
+
+
+# ----------------------------------------------------------------------------- attention, logits and losses
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft cap (Gemma Team, 2024): cap * tanh(x / cap), in float32 at least. |out| < cap, and
+    out = x - x^3 / (3 cap^2) + ...: the identity to first order near 0."""
+    return cap * torch.tanh(x.to(torch.promote_types(x.dtype, torch.float32)) / cap)
+
+
+def z_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
+    """PaLM's auxiliary z-loss (Chowdhery et al., 2022, training setup): the mean over the targeted tokens of log(Z)^2,
+    Z = sum_j exp(logit_j) the softmax's normalizer, in float32 at least (as OLMo-core computes it)."""
+    log_z = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    valid = targets != ignore_index
+    return (log_z.square() * valid).sum() / valid.sum().clamp_min(1)
+
+
+class QKClip(nn.Module):
+    """QK-Clip of MuonClip (Kimi K2, arXiv 2507.20534): after each optimizer step, each head h whose largest
+    pre-softmax logit S_h in that step's forward passes exceeded tau gets W_q and W_k (its rows of them, and of
+    the biases) times sqrt(tau / S_h), so that the same inputs give it logits of at most tau; heads at or below
+    tau are left untouched. `record` keeps the running max per head (causal pairs, training forwards only, every
+    micro-batch of the step); `constrain_` (GPT.apply_parameter_constraints, after every step) takes it over all
+    ranks, rescales and starts the next step's record. The projections are held in a tuple, not registered here."""
+
+    def __init__(self, tau: float, n_head: int, q_proj: nn.Linear, k_proj: nn.Linear):
+        super().__init__()
+        self.tau, self.projections = tau, (q_proj, k_proj)
+        self.register_buffer("max_logit", torch.full((n_head,), -math.inf), persistent=False)
+
+    @torch.no_grad()
+    def record(self, scores: torch.Tensor, causal: torch.Tensor) -> None:
+        """Fold the largest logit of each head of `scores` (B, heads, T, T) over the causal pairs into the record."""
+        top = scores.detach().float().masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+        self.max_logit.copy_(torch.maximum(self.max_logit, top))
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        top = self.max_logit
+        if dist.is_available() and dist.is_initialized() and not (top.device.type == "cpu"
+                                                                 and dist.get_backend() == "nccl"):
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)  # (at init, on the CPU under NCCL, nothing is recorded yet)
+        # a non-finite record (a batch that overflowed, skipped or diverged) leaves the weights as they are
+        scale = (self.tau / top.nan_to_num(nan=self.tau, posinf=self.tau).clamp_min(self.tau)).sqrt()  # 1 at <= tau
+        for proj in self.projections:
+            rows = scale.repeat_interleave(proj.weight.shape[0] // scale.numel())
+            proj.weight.mul_(rows[:, None].to(proj.weight.dtype))
+            if proj.bias is not None:
+                proj.bias.mul_(rows.to(proj.bias.dtype))
+        top.fill_(-math.inf)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention of (B, heads, T, head_dim) q, k, v: torch's fused kernel, or, where the scores
+    themselves are needed (Gemma 2's attention softcap, QK-Clip's record), the same math written out:
+    softmax(mask(cap(q k^T scale))) v with the softmax in float32 (as litgpt's softcapped path)."""
+
+    def __init__(self, scale: float, dropout: float, cap: float | None = None, clip: QKClip | None = None):
+        super().__init__()
+        self.scale, self.dropout, self.cap, self.clip = scale, dropout, cap, clip
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.cap is None and self.clip is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        T = scores.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+        if self.clip is not None and self.training:
+            self.clip.record(scores, causal)
+        if self.cap is not None:
+            scores = softcap(scores, self.cap)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        weights = F.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(v.dtype)
+        return F.dropout(weights, dropout) @ v

@@ -38,6 +38,10 @@ class Scheme(NamedTuple):
     first_blocks: str = "same"  # "post": the first quarter of the blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
     tie_head: bool = True  # the output head shares the token embedding's weight (GPT-2)
+    z_loss: float = 0.0  # PaLM's z-loss weight c: train loss += c mean log(Z)^2; eval lines stay cross-entropy; 0: off
+    logit_softcap: float | None = None  # Gemma 2's final-logit cap c: logits <- c tanh(logits / c); None: off
+    attn_softcap: float | None = None  # Gemma 2's attention-score cap c before the softmax (explicit attention)
+    qk_clip: float | None = None  # QK-Clip's tau (Kimi K2): after each step, W_q, W_k of heads whose logits passed tau
 
     def normalizes(self, *places: str) -> bool:
         """Whether the row has a norm at any of `places`."""
@@ -178,6 +182,21 @@ def check_config(c: GPTConfig) -> None:
     if c.hypersphere and (c.vector_mode or c.gain_cap is not None):
         raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
                          "it takes neither vector inputs (in_features) nor gain_cap")
+    check_stream_columns(c.scheme, c.hypersphere)
+
+
+def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
+    """The columns taken from other codebases: z-loss, softcaps, QK-Clip."""
+    for key, value in (("logit_softcap", s.logit_softcap), ("attn_softcap", s.attn_softcap), ("qk_clip", s.qk_clip)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{key}={value} must be positive, or None (off)")
+    if not s.z_loss >= 0:
+        raise ValueError(f"z_loss={s.z_loss} must be >= 0 (0: off)")
+    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv"):
+        raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
+    if hypersphere and (s.attn_softcap or s.qk_clip):
+        raise ValueError("combine='nlerp' (nGPT) keeps its attention on the sphere: it takes neither attn_softcap "
+                         "nor qk_clip")
 
 
 # ----------------------------------------------------------------------------- norms
@@ -246,7 +265,8 @@ class CausalSelfAttention(nn.Module):
         self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
         self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
         self.scale = layers.softmax_scale(scheme.attn_scale, self.head_dim)
-        self.dropout = config.dropout
+        clip = None if scheme.qk_clip is None else layers.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
+        self.attend = layers.Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
         self.rope = config.pos == "rope"
         if self.rope:
             layers.register_rope(self, self.head_dim, config.block_size, 10000.0)
@@ -275,10 +295,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.out_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
@@ -394,6 +411,7 @@ class GPT(nn.Module):
         self.lm_head = SphereHead(d, out) if config.hypersphere else nn.Linear(d, out, bias=False)
         if scheme.tie_head and not vector:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
+        self.logit_softcap, self.z_loss = scheme.logit_softcap, scheme.z_loss
         self.apply(self._init_weights)
         for block in self.blocks:
             for name, module in block.named_modules():
@@ -443,10 +461,14 @@ class GPT(nn.Module):
         x = self.final_norm(x)
         if self.config.vector_mode:
             return self.lm_head(x), None
+        logits = self.lm_head(x if targets is not None else x[:, [-1], :])
+        if self.logit_softcap is not None:
+            logits = layers.softcap(logits, self.logit_softcap)
         if targets is None:
-            return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
+            return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        if self.z_loss and self.training:  # the objective only: evaluations report the cross-entropy
+            loss = loss + self.z_loss * layers.z_loss(logits, targets)
         return logits, loss
 
     # ---- constraints applied after every optimizer step

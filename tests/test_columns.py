@@ -1,0 +1,170 @@
+"""The columns taken from other codebases (z-loss, Gemma 2's softcaps, QK-Clip), each checked against the equation
+that defines it."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from test_model import tiny, tokens
+from torch.nn import functional as F
+
+import layers
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def logits_of(config: GPTConfig, prepare=None, dtype=torch.float32) -> torch.Tensor:
+    """The logits of a model drawn with seed 0 on `tokens()`, after `prepare(model)` (under no_grad)."""
+    torch.manual_seed(0)
+    model = GPT(config).to(dtype)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(model)
+    return model(tokens(), tokens())[0]
+
+
+def inputs_of(modules: list[nn.Module], run) -> list[torch.Tensor]:
+    """The first argument each module is called with while `run()` runs (forward pre-hooks, then removed)."""
+    seen: list[torch.Tensor] = []
+    handles = [m.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach())) for m in modules]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+# ----------------------------------------------------------------------------- z-loss
+
+
+def test_z_loss_is_the_mean_squared_log_normalizer_and_enters_the_training_loss_only():
+    g = torch.Generator().manual_seed(0)
+    logits = 5 * torch.randn(3, 7, 11, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 11, (3, 7), generator=g)
+    targets[0, :2] = -1  # ignored tokens (ignore_index) count in neither the cross-entropy nor the z-loss
+    log_z = torch.log(torch.exp(logits).sum(-1))  # the softmax's normalizer, written out
+    expected = log_z[targets != -1].square().mean()
+    torch.testing.assert_close(layers.z_loss(logits, targets), expected, rtol=1e-12, atol=0)  # float64 rounding
+
+    torch.manual_seed(0)
+    model = GPT(tiny(overrides={"z_loss": 1e-2})).double()
+    idx = tokens()
+    logits, loss = model(idx, idx)
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())  # as GPT.forward: in float32
+    torch.testing.assert_close(loss, cross_entropy + 1e-2 * torch.logsumexp(logits, -1).square().mean(),
+                               rtol=1e-12, atol=0)
+    model.eval()  # evaluations report the plain cross-entropy (no dropout: the same logits)
+    torch.testing.assert_close(model(idx, idx)[1], cross_entropy, rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------- softcaps
+
+
+@pytest.mark.parametrize("cap", [15.0, 50.0])
+def test_softcap_bounds_by_c_and_is_the_identity_to_first_order_near_zero(cap):
+    x = torch.linspace(-1e4, 1e4, 2001, dtype=torch.float64)
+    assert layers.softcap(x, cap).abs().max() <= cap
+    assert layers.softcap(x.float(), cap).abs().max() <= cap
+    small = torch.linspace(-1e-2, 1e-2, 101, dtype=torch.float64) * cap
+    # u - u^3/3 <= tanh(u) <= u for u >= 0: |c tanh(x/c) - x| <= |x|^3 / (3 c^2), plus float64 rounding
+    error = (layers.softcap(small, cap) - small).abs()
+    assert (error <= small.abs() ** 3 / (3 * cap**2) + 1e-15 * cap).all()
+    assert error.max() > 0  # and the cap did act
+
+
+def test_logit_softcap_caps_the_models_logits():
+    def large_head(model):  # raw logits in the hundreds
+        model.lm_head.weight.mul_(1e3)
+
+    plain = logits_of(tiny(), large_head, torch.float64)
+    capped = logits_of(tiny(overrides={"logit_softcap": 30.0}), large_head, torch.float64)
+    assert plain.abs().max() > 100 and capped.abs().max() <= 30.0
+    torch.testing.assert_close(capped, 30.0 * torch.tanh(plain / 30.0), rtol=1e-12, atol=1e-12)
+
+
+def reference_attention(q, k, v, scale, cap=None):
+    scores = q @ k.transpose(-2, -1) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    T = scores.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1) @ v
+
+
+def test_attention_softcap_caps_the_scores_before_the_causal_softmax():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q = 40 * q  # scores in the hundreds: uncapped, each query attends to one key
+    attend = layers.Attention(8**-0.5, 0.0, cap=5.0)
+    torch.testing.assert_close(attend(q, k, v), reference_attention(q, k, v, 8**-0.5, cap=5.0), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(attend(q, k, v), reference_attention(q, k, v, 8**-0.5), atol=1e-3)
+    # the explicit path is SDPA's math: a cap far above every score changes nothing at float32's resolution
+    config, wide = tiny(), tiny(overrides={"attn_softcap": 1e6})
+    torch.testing.assert_close(logits_of(wide), logits_of(config), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- QK-Clip
+
+
+def head_max_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The largest attention logit of each head of the model's only block on `idx` (causal pairs, eval mode)."""
+    attn = model.blocks[0].attn.sublayer
+    model.eval()
+    (x,) = inputs_of([attn], lambda: model(idx))
+    model.train()
+    with torch.no_grad():
+        q, k, _ = attn.heads(x)
+        scores = q @ k.transpose(-2, -1) * attn.scale
+    causal = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+
+
+def test_qk_clip_brings_each_heads_largest_logit_to_tau_after_a_step_and_leaves_the_others():
+    tau, clipped, kept = 1.0, [0, 2], [1, 3]
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1, n_head=4, overrides={"qk_clip": tau}))
+    attn = model.blocks[0].attn.sublayer
+    with torch.no_grad():  # heads 0 and 2 far above tau
+        for h in clipped:
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight[8 * h: 8 * h + 8] *= 40
+                proj.bias[8 * h: 8 * h + 8].normal_(0, 0.5)
+    idx = tokens()
+    before = head_max_logits(model, idx)
+    assert (before[clipped] > 5 * tau).all() and (before[kept] < tau / 5).all()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    record = attn.attend.clip.max_logit.clone()
+    torch.testing.assert_close(record, before, rtol=1e-6, atol=0)  # the step's forward recorded each head's max
+    stepped = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    model.apply_parameter_constraints()
+    for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"):
+        now, then = getattr(attn, name.split(".")[0]).get_parameter(name.split(".")[1]), stepped[name]
+        for h in range(4):
+            rows = slice(8 * h, 8 * h + 8)
+            if h in kept:  # untouched, bit for bit
+                assert torch.equal(now[rows], then[rows])
+            else:  # W_q and W_k of the head each times sqrt(tau / S)
+                torch.testing.assert_close(now[rows], then[rows] * math.sqrt(tau / record[h]), rtol=1e-6, atol=0)
+    after = head_max_logits(model, idx)
+    # the rescale takes the recorded max exactly to tau; the AdamW step between (each weight moves by about lr =
+    # 1e-4 against weights of about 0.8) moves a logit by well under 1% of itself
+    assert ((after[clipped] - tau).abs() <= 0.01 * tau).all(), after
+    assert (after[kept] < tau).all()
+    assert torch.equal(attn.attend.clip.max_logit, torch.full((4,), -math.inf))  # the next step's record starts
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(overrides={"z_loss": -1.0}), "z_loss=-1.0"),
+    (dict(overrides={"logit_softcap": 0.0}), "logit_softcap=0.0"),
+    (dict(norm_scheme="dnt", overrides={"qk_clip": 100.0}), "q/k norm undoes"),
+    (dict(norm_scheme="ngpt", overrides={"attn_softcap": 50.0}), "on the sphere"),
+])
+def test_impossible_settings_of_the_new_columns_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPTConfig(**kwargs)
