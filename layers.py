@@ -437,3 +437,45 @@ class Attention(nn.Module):
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         weights = F.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(v.dtype)
         return F.dropout(weights, dropout) @ v
+
+
+class ValueResidual(nn.Module):
+    """ResFormer's value residual (Zhou et al., arXiv 2410.17897): v_l <- lambda_l v_l + (1 - lambda_l) v_1, v_1 the
+    first block's values (kept in the forward pass's `ctx`), lambda_l one learnable scalar per block from 1/2, the
+    paper's fixed value (its U_n = A_n (V_n + V_1) / 2; modded-nanogpt's learned lambda also starts at 0.5). The
+    first block only stores its values."""
+
+    def __init__(self, first: bool, init: float = 0.5):
+        super().__init__()
+        self.first = first
+        self.lam = None if first else nn.Parameter(torch.tensor(init))
+
+    def forward(self, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if self.lam is None:
+            ctx["v1"] = v
+            return v
+        lam = self.lam.to(v.dtype)
+        return lam * v + (1 - lam) * ctx["v1"]
+
+
+# ----------------------------------------------------------------------------- the stream before each block
+
+
+def x0_mix_init(init: str, layer: int, n_layer: int) -> tuple[float, float]:
+    """(lambda_resid, lambda_x0) of block `layer` (0-based) at init under the row's `init`: the identity (1, 0), as
+    modded-nanogpt's records began (2024-11-06)."""
+    return 1.0, 0.0
+
+
+class X0Mix(nn.Module):
+    """The residual and x0 scalars of nanochat and modded-nanogpt: before each block x <- lambda_resid x +
+    lambda_x0 x0, x0 the stream as it entered the first block, both learnable scalars of this block, starting at
+    `x0_mix_init` of the row's init."""
+
+    def __init__(self, init: str, layer: int, n_layer: int):
+        super().__init__()
+        resid, x0 = x0_mix_init(init, layer, n_layer)
+        self.resid, self.x0 = nn.Parameter(torch.tensor(resid)), nn.Parameter(torch.tensor(x0))
+
+    def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return self.resid.to(x.dtype) * x + self.x0.to(x.dtype) * x0

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import hyper
 import layers
 from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, SphereMLP
 
@@ -42,6 +43,10 @@ class Scheme(NamedTuple):
     logit_softcap: float | None = None  # Gemma 2's final-logit cap c: logits <- c tanh(logits / c); None: off
     attn_softcap: float | None = None  # Gemma 2's attention-score cap c before the softmax (explicit attention)
     qk_clip: float | None = None  # QK-Clip's tau (Kimi K2): after each step, W_q, W_k of heads whose logits passed tau
+    value_residual: bool = False  # ResFormer: values v <- l v + (1 - l) v_1 (the first block's); l learnable, from 1/2
+    x0_mix: bool = False  # before each block x <- a x + b x0 (the embedding), a, b learnable per block (init: 1, 0)
+    residual_streams: int = 1  # n copies of the residual stream, joined by hyper_connections (1 and none: off)
+    hyper_connections: str = "none"  # learned stream reads and writes: static, dynamic (Zhu et al.), mhc (DeepSeek)
 
     def normalizes(self, *places: str) -> bool:
         """Whether the row has a norm at any of `places`."""
@@ -97,6 +102,7 @@ CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "ro
            "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
            "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
            "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
+           "hyper_connections": ("none", *hyper.KINDS),
            "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
            "geonorm_radius": ("embedding", "sqrt_d")}
 
@@ -186,17 +192,23 @@ def check_config(c: GPTConfig) -> None:
 
 
 def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
-    """The columns taken from other codebases: z-loss, softcaps, QK-Clip."""
+    """The columns taken from other codebases: z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections."""
     for key, value in (("logit_softcap", s.logit_softcap), ("attn_softcap", s.attn_softcap), ("qk_clip", s.qk_clip)):
         if value is not None and not value > 0:
             raise ValueError(f"{key}={value} must be positive, or None (off)")
-    if not s.z_loss >= 0:
-        raise ValueError(f"z_loss={s.z_loss} must be >= 0 (0: off)")
+    if not s.z_loss >= 0 or s.residual_streams < 1:
+        raise ValueError(f"z_loss={s.z_loss} must be >= 0 (0: off) and residual_streams={s.residual_streams} >= 1")
+    hyper_on = s.hyper_connections != "none"
+    if s.residual_streams > 1 and not hyper_on:
+        raise ValueError(f"residual_streams={s.residual_streams} needs hyper_connections (static, dynamic or mhc)")
+    if hyper_on and (s.combine != "add" or s.normalizes("post", "post_attn") or s.first_blocks == "post"):
+        raise ValueError("hyper_connections replace the residual add: give them a row with combine='add' and no post "
+                         "norm (as pre, peri, sandwich, dnt, lns)")
     if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv"):
         raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
-    if hypersphere and (s.attn_softcap or s.qk_clip):
-        raise ValueError("combine='nlerp' (nGPT) keeps its attention on the sphere: it takes neither attn_softcap "
-                         "nor qk_clip")
+    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix):
+        raise ValueError("combine='nlerp' (nGPT) keeps its stream and attention on the sphere: it takes none of "
+                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix")
 
 
 # ----------------------------------------------------------------------------- norms
@@ -254,7 +266,7 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         d, self.n_head = config.n_embd, config.n_head
         self.head_dim = d // config.n_head
@@ -267,6 +279,7 @@ class CausalSelfAttention(nn.Module):
         self.scale = layers.softmax_scale(scheme.attn_scale, self.head_dim)
         clip = None if scheme.qk_clip is None else layers.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
         self.attend = layers.Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
+        self.value_residual = layers.ValueResidual(layer == 0) if scheme.value_residual else None
         self.rope = config.pos == "rope"
         if self.rope:
             layers.register_rope(self, self.head_dim, config.block_size, 10000.0)
@@ -292,9 +305,11 @@ class CausalSelfAttention(nn.Module):
             k = layers.apply_rope(k, self.rope_cos, self.rope_sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
+        if self.value_residual is not None:  # ResFormer: the first block's values ride in ctx
+            v = self.value_residual(v, ctx)
         return self.out_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 
@@ -317,7 +332,7 @@ class MLP(nn.Module):
 def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]:
     """Block `layer`'s attention and MLP: nGPT's unit-norm ones (ngpt.py) on the hypersphere (combine "nlerp")."""
     if not config.hypersphere:
-        return CausalSelfAttention(config), MLP(config)
+        return CausalSelfAttention(config, layer), MLP(config)
     rope_length = config.block_size if config.pos == "rope" else None
     hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
     return (SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
@@ -361,16 +376,23 @@ class ResidualUpdate(nn.Module):
         self.mid_norm = maybe_norm(config, scheme.normalizes("mid"), alpha)
         self.combine = make_combine(config, j, layer)
         self.post_norm = maybe_norm(config, scheme.normalizes("post", f"post_{name}"), alpha)
+        self.takes_ctx = isinstance(sublayer, CausalSelfAttention)
+        n, kind = scheme.residual_streams, scheme.hyper_connections  # hyper-connections replace combine (an add)
+        self.hyper = None if kind == "none" else hyper.HyperConnection(kind, n, config.n_embd, j - 1, config.norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         h = self.pre_norm(x)
         if self.pre_norm_scale != 1.0:
             h = self.pre_norm_scale * h
-        y = self.sublayer(h)
+        y = self.sublayer(h, ctx) if self.takes_ctx else self.sublayer(h)
         if self.branch_scale != 1.0:
             y = self.branch_scale * y
-        y = self.mid_norm(self.dropout(y))
-        return self.post_norm(self.combine(x, y))
+        return self.mid_norm(self.dropout(y))
+
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        if self.hyper is not None:  # x: the streams (B, T, n, d)
+            return self.hyper(x, self.branch, ctx)
+        return self.post_norm(self.combine(x, self.branch(x, ctx)))
 
 
 class Block(nn.Module):
@@ -381,9 +403,12 @@ class Block(nn.Module):
         self.mlp = ResidualUpdate(config, mlp, "mlp", 2 * layer + 2, layer)
         if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
+        self.x0_mix = layers.X0Mix(config.scheme.init, layer, config.n_layer) if config.scheme.x0_mix else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        if self.x0_mix is not None:
+            x = self.x0_mix(x, ctx["x0"])
+        return self.mlp(self.attn(x, ctx), ctx)
 
 
 # ----------------------------------------------------------------------------- GPT
@@ -411,6 +436,7 @@ class GPT(nn.Module):
         self.lm_head = SphereHead(d, out) if config.hypersphere else nn.Linear(d, out, bias=False)
         if scheme.tie_head and not vector:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
+        self.streams = scheme.residual_streams if scheme.hyper_connections != "none" else None
         self.logit_softcap, self.z_loss = scheme.logit_softcap, scheme.z_loss
         self.apply(self._init_weights)
         for block in self.blocks:
@@ -455,10 +481,11 @@ class GPT(nn.Module):
         own loss, so the second element is None. Without targets, a token model returns only
         the last position's logits (all that sampling needs).
         """
-        x = self.embed(idx)
+        x = self.embed(idx) if self.streams is None else hyper.expand(self.embed(idx), self.streams)
+        ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
-            x = block(x)
-        x = self.final_norm(x)
+            x = block(x, ctx)
+        x = self.final_norm(x if self.streams is None else hyper.reduce(x))
         if self.config.vector_mode:
             return self.lm_head(x), None
         logits = self.lm_head(x if targets is not None else x[:, [-1], :])

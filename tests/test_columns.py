@@ -1,5 +1,6 @@
-"""The columns taken from other codebases (z-loss, Gemma 2's softcaps, QK-Clip), each checked against the equation
-that defines it."""
+"""The columns taken from other codebases (z-loss, Gemma 2's softcaps, QK-Clip, ResFormer's value residual, the x0
+mix, hyper-connections and mHC), each checked against the equation that defines it; each
+column at its identity setting is the row it modifies, bit for bit."""
 
 import math
 import re
@@ -11,6 +12,7 @@ from test_model import tiny, tokens
 from torch.nn import functional as F
 
 import layers
+from hyper import HyperConnection, sinkhorn_knopp
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,11 +161,116 @@ def test_qk_clip_brings_each_heads_largest_logit_to_tau_after_a_step_and_leaves_
     assert torch.equal(attn.attend.clip.max_logit, torch.full((4,), -math.inf))  # the next step's record starts
 
 
+# ----------------------------------------------------------------------------- value residual and x0 mix
+
+
+def test_value_residual_mixes_the_first_blocks_values_and_at_lambda_one_is_the_row():
+    first, later, ctx = layers.ValueResidual(first=True), layers.ValueResidual(first=False), {}
+    assert first.lam is None and later.lam.item() == 0.5  # ResFormer's 1/2
+    v1, v = torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    assert first(v1, ctx) is v1 and ctx["v1"] is v1
+    with torch.no_grad():
+        later.lam.fill_(0.3)
+    lam = later.lam.double()  # 0.3 in float32
+    torch.testing.assert_close(later(v, ctx), lam * v + (1 - lam) * v1, rtol=1e-15, atol=1e-15)
+
+    def lambda_one(model):
+        for block in model.blocks[1:]:
+            block.attn.sublayer.value_residual.lam.fill_(1.0)
+
+    assert torch.equal(logits_of(tiny(overrides={"value_residual": True}), lambda_one), logits_of(tiny()))
+
+
+def test_x0_mix_at_its_identity_init_is_the_row_and_mixes_x0_into_each_blocks_input():
+    config = tiny(overrides={"x0_mix": True})
+    assert torch.equal(logits_of(config), logits_of(tiny()))
+    torch.manual_seed(0)
+    model = GPT(config)
+    assert all((b.x0_mix.resid.item(), b.x0_mix.x0.item()) == (1.0, 0.0) for b in model.blocks)
+    with torch.no_grad():
+        model.blocks[2].x0_mix.resid.fill_(0.7)
+        model.blocks[2].x0_mix.x0.fill_(0.3)
+    block_in, attn_in = inputs_of([model.blocks[2], model.blocks[2].attn], lambda: model(tokens()))
+    torch.testing.assert_close(attn_in, 0.7 * block_in + 0.3 * model.embed(tokens()), rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- hyper-connections
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("scheme", ["pre", "peri"])
+def test_hyper_connections_with_one_stream_at_init_are_exactly_the_row(kind, scheme):
+    one = tiny(norm_scheme=scheme, overrides={"residual_streams": 1, "hyper_connections": kind})
+    assert torch.equal(logits_of(one), logits_of(tiny(norm_scheme=scheme)))
+
+
+def test_a_hyper_connection_reads_mixes_and_writes_the_streams_by_its_matrices():
+    n, d = 3, 8
+    hc = HyperConnection("dynamic", n, d, k=4, eps=1e-5).double()
+    assert torch.equal(hc.static, torch.tensor([0, 1, 0, 1, 1, 1, *torch.eye(3).flatten()], dtype=torch.float64))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every coefficient away from its init
+        for p in hc.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    H = torch.randn(2, 5, n, d, generator=g, dtype=torch.float64)
+
+    def branch(h):
+        return torch.tanh(h) * 2
+
+    # Zhu et al.'s dynamic hyper-connection, written with its matrices: A(H) = A + s tanh(norm(H) W)
+    normed = F.rms_norm(H, (d,), eps=1e-5)
+    A_m = hc.static[:n] + hc.gates[0] * torch.tanh(normed @ hc.proj[:, 0])  # (B, T, n)
+    B = hc.static[n:2 * n] + hc.gates[1] * torch.tanh(normed @ hc.proj[:, 1])
+    A_r = hc.static[2 * n:].view(n, n) + hc.gates[0] * torch.tanh(normed @ hc.proj[:, 2:])  # (B, T, n, n)
+    h0 = torch.einsum("bts,btsd->btd", A_m, H)  # A_m^T H
+    expected = torch.einsum("btsu,btsd->btud", A_r, H) + torch.einsum("bts,btd->btsd", B, branch(h0))  # A_r^T H + B^T T
+    torch.testing.assert_close(hc(H, branch), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_mhc_keeps_the_stream_mixing_matrix_doubly_stochastic_after_training_steps():
+    # 20 alternating normalizations: the rows sum to 1 to rounding, the columns to 1e-10 for logits spread as the
+    # model's (its bias I plus gated terms); a spread of several units would need more iterations
+    m = sinkhorn_knopp(0.5 * torch.randn(100, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(m.sum(-1), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(m.sum(-2), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-10)
+
+    torch.manual_seed(0)
+    model = GPT(tiny(overrides={"residual_streams": 4, "hyper_connections": "mhc"}))
+    # streams that start as equal copies barely move H_res in a few steps: start its coefficients away from their
+    # init (each matrix's logits then span up to 3.6, max - min; at 5.5, 20 iterations leave columns 2e-4 from 1)
+    with torch.no_grad():
+        for block in model.blocks:
+            for update in (block.attn, block.mlp):
+                update.hyper.bias.add_(0.2 * torch.randn(update.hyper.bias.shape))
+                update.hyper.proj.normal_(0, 0.05)
+                update.hyper.gates.fill_(0.3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for step in range(5):
+        model(tokens(seed=step), tokens(seed=step + 10))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.apply_parameter_constraints()
+    updates = [u for b in model.blocks for u in (b.attn, b.mlp)]
+    streams = inputs_of(updates, lambda: model(tokens(seed=99)))
+    for update, H in zip(updates, streams, strict=True):
+        read, mix, write = update.hyper.coefficients(H)
+        assert update.hyper.proj.abs().max() > 0.01  # trained away from its init: per-token matrices
+        assert mix.std(dim=(0, 1)).max() > 0
+        ones = torch.ones(mix.shape[:-1])
+        # rows to rounding; columns to Sinkhorn-Knopp's convergence after 20 iterations (float32)
+        torch.testing.assert_close(mix.sum(-1), ones, rtol=0, atol=1e-5)
+        torch.testing.assert_close(mix.sum(-2), ones, rtol=0, atol=1e-5)
+        assert (mix >= 0).all() and ((read > 0) & (read < 1)).all() and ((write > 0) & (write < 2)).all()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(overrides={"z_loss": -1.0}), "z_loss=-1.0"),
     (dict(overrides={"logit_softcap": 0.0}), "logit_softcap=0.0"),
+    (dict(overrides={"hyper_connections": "hc"}), "hyper_connections='hc'"),
+    (dict(overrides={"residual_streams": 2}), "needs hyper_connections"),
+    (dict(norm_scheme="post", overrides={"hyper_connections": "static"}), "replace the residual add"),
     (dict(norm_scheme="dnt", overrides={"qk_clip": 100.0}), "q/k norm undoes"),
-    (dict(norm_scheme="ngpt", overrides={"attn_softcap": 50.0}), "on the sphere"),
+    (dict(norm_scheme="ngpt", overrides={"x0_mix": True}), "on the sphere"),
 ])
 def test_impossible_settings_of_the_new_columns_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
