@@ -309,9 +309,10 @@ class GainLinear(nn.Linear):
 
 
 def softmax_scale(attn_scale: str, head_dim: int) -> float:
-    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3) or sqrt(d_h) (nGPT §2.3.2,
-    for unit q and k, whose dot products have variance 1/d_h)."""
-    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim)}[attn_scale]
+    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3), sqrt(d_h) (nGPT §2.3.2, for unit q and
+    k, whose dot products have variance 1/d_h) or 1.44/sqrt(d_h) (nanochat: its normed q and k each times 1.2)."""
+    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim),
+            "1.44/sqrt(d)": 1.2**2 / math.sqrt(head_dim)}[attn_scale]
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,6 +334,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, the MLP nonlinearity of modded-nanogpt and nanochat (So et al., Primer, 2021)."""
+    return F.relu(x).square()
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu2": relu2}  # the one-matrix MLPs' nonlinearity by `mlp` (swiglu has two)
 
 
 def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None = None) -> int:
@@ -358,8 +367,11 @@ def init_block_matrix(init: str, name: str, weight: torch.Tensor, n_layer: int) 
         nn.init.xavier_normal_(weight, gain=beta)
     elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
         nn.init.orthogonal_(weight)
-    elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
+    elif init in ("zero_out", "nanochat") and residual_out:  # modded-nanogpt, nanochat: updates start at zero
         nn.init.zeros_(weight)
+    elif init == "nanochat":  # nanochat gpt.py init_weights: U(+-sqrt(3/d)), the MLP's input map 0.4 times that
+        bound = math.sqrt(3 / weight.shape[1]) * (0.4 if name.endswith("mlp.sublayer.fc") else 1.0)
+        nn.init.uniform_(weight, -bound, bound)
 
 
 # ----------------------------------------------------------------------------- attention, logits and losses
@@ -462,9 +474,12 @@ class ValueResidual(nn.Module):
 
 
 def x0_mix_init(init: str, layer: int, n_layer: int) -> tuple[float, float]:
-    """(lambda_resid, lambda_x0) of block `layer` (0-based) at init under the row's `init`: the identity (1, 0), as
-    modded-nanogpt's records began (2024-11-06)."""
-    return 1.0, 0.0
+    """(lambda_resid, lambda_x0) of block `layer` (0-based) at init: the identity (1, 0), as modded-nanogpt's
+    records began (2024-11-06), or with init="nanochat" nanochat's depth ramp, 1.15 -> 1.05 and 0.20 -> 0.05."""
+    if init != "nanochat":
+        return 1.0, 0.0
+    t = layer / max(n_layer - 1, 1)
+    return 1.15 - 0.10 * t, 0.20 - 0.15 * t
 
 
 class X0Mix(nn.Module):

@@ -32,9 +32,9 @@ class Scheme(NamedTuple):
 
     norms: str  # where it normalizes, +-joined: input pre pre_attn pre_mlp qk qk_all qkv mid post post_attn final
     combine: str = "add"  # residual rule: add, pre_alt, deepnorm, convex, geodesic, rezero, rezero_block, nlerp (nGPT)
-    attn_scale: str = "1/sqrt(d)"  # attention logit scale: "1/sqrt(d)", "1/d" (Lipschitz), "sqrt(d)" (nGPT)
+    attn_scale: str = "1/sqrt(d)"  # logit scale: 1/sqrt(d), 1/d (Lipschitz), sqrt(d) (nGPT), 1.44/sqrt(d) (nanochat)
     branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
-    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out
+    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out, nanochat
     pre_norm_scale: str = "1"  # multiplies each pre-norm output: "1", or "1/sqrt(l)" in block l = 1..L (LNS)
     first_blocks: str = "same"  # "post": the first quarter of the blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
@@ -80,6 +80,8 @@ SCHEMES: dict[str, Scheme] = {
     "rezero": Scheme("none", combine="rezero"),
     "speedrun": Scheme("input+pre+qk+final", init="zero_out", norm_affine=False),
     "ngpt": Scheme("qk", combine="nlerp", attn_scale="sqrt(d)", tie_head=False),
+    "nanochat": Scheme("input+pre+qk+final", attn_scale="1.44/sqrt(d)", init="nanochat", norm_affine=False,
+                       tie_head=False, logit_softcap=15.0, x0_mix=True),
 }
 
 # Row notes; the reference files and lines, and the reason for each choice: docs/schemes.md.
@@ -92,16 +94,17 @@ SCHEMES: dict[str, Scheme] = {
 # rezero: one alpha per residual update (combine=rezero_block: one per block, as the released rztx.py).
 # speedrun: modded-nanogpt record #8 (2024-11-03_UntieEmbed), head tied (it unties, zeroes it); later records differ.
 # ngpt: matrices and stream on the unit sphere (only the draw's direction counts); its QK-norm is L2 times s_qk.
+# nanochat: gpt.py's block (norm=rmsnorm, mlp=relu2, pos=rope); not its value embeddings, smear, backout, windows.
 # norm=dyt/derf, at every place but q/k/v: beta only with bias=True; DyT's LLaMA code decays all; Derf's alpha is 1.
 
 NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
 MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
 NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
-CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),  # every text key's values
+CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu", "relu2"), "pos": ("learned", "rope"),  # text keys' values
            "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
-           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
-           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
+           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)", "1.44/sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
+           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out", "nanochat"),
            "hyper_connections": ("none", *hyper.KINDS),
            "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
            "geonorm_radius": ("embedding", "sqrt_d")}
@@ -120,7 +123,7 @@ class GPTConfig:
     norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
     norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
     embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
-    mlp: str = "gelu"  # "gelu" (GPT-2) or "swiglu"
+    mlp: str = "gelu"  # "gelu" (GPT-2), "swiglu" or "relu2" (relu(x)^2: modded-nanogpt, nanochat)
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
     pos: str = "learned"  # position embedding: "learned" (GPT-2) or "rope" (base 10000)
     gain_cap: float | None = None  # Lipschitz block: a learned diagonal gain on each linear map, clamped to [1e-3, cap]
@@ -318,6 +321,7 @@ class MLP(nn.Module):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
+        self.act = layers.ACTIVATIONS.get(config.mlp)
         hidden = layers.mlp_width(d, config.mlp, config.mlp_hidden)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
@@ -326,7 +330,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))
 
 
 def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]:
@@ -337,7 +341,7 @@ def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]
     hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
     return (SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
                             config.scheme.attn_scale, config.dropout, rope_length),
-            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu"))
+            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu", layers.ACTIVATIONS.get(config.mlp)))
 
 
 # ----------------------------------------------------------------------------- block
@@ -443,6 +447,9 @@ class GPT(nn.Module):
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
                     layers.init_block_matrix(scheme.init, name, module.weight, config.n_layer)
+        if scheme.init == "nanochat" and not vector:  # nanochat gpt.py init_weights
+            nn.init.normal_(self.wte.weight, std=0.8)
+            nn.init.normal_(self.lm_head.weight, std=0.001)
         self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
 
     # ---- initialization

@@ -1,5 +1,5 @@
 """The columns taken from other codebases (z-loss, Gemma 2's softcaps, QK-Clip, ResFormer's value residual, the x0
-mix, hyper-connections and mHC), each checked against the equation that defines it; each
+mix, hyper-connections and mHC) and the nanochat row, each checked against the equation that defines it; each
 column at its identity setting is the row it modifies, bit for bit."""
 
 import math
@@ -192,6 +192,10 @@ def test_x0_mix_at_its_identity_init_is_the_row_and_mixes_x0_into_each_blocks_in
         model.blocks[2].x0_mix.x0.fill_(0.3)
     block_in, attn_in = inputs_of([model.blocks[2], model.blocks[2].attn], lambda: model(tokens()))
     torch.testing.assert_close(attn_in, 0.7 * block_in + 0.3 * model.embed(tokens()), rtol=1e-6, atol=1e-7)
+    # nanochat's init ramps from (1.15, 0.20) in the first block to (1.05, 0.05) in the last
+    nanochat = GPT(tiny(norm_scheme="nanochat", norm="rmsnorm"))
+    ramp = [(b.x0_mix.resid.item(), b.x0_mix.x0.item()) for b in nanochat.blocks]
+    assert ramp == [pytest.approx(p) for p in [(1.15, 0.20), (1.10, 0.125), (1.05, 0.05)]]
 
 
 # ----------------------------------------------------------------------------- hyper-connections
@@ -261,6 +265,31 @@ def test_mhc_keeps_the_stream_mixing_matrix_doubly_stochastic_after_training_ste
         torch.testing.assert_close(mix.sum(-1), ones, rtol=0, atol=1e-5)
         torch.testing.assert_close(mix.sum(-2), ones, rtol=0, atol=1e-5)
         assert (mix >= 0).all() and ((read > 0) & (read < 1)).all() and ((write > 0) & (write < 2)).all()
+
+
+# ----------------------------------------------------------------------------- the nanochat row
+
+
+def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
+    model = GPT(tiny(norm_scheme="nanochat", norm="rmsnorm", mlp="relu2", pos="rope", bias=False))
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == 1 + 2 * 3 + 2 * 3 + 1  # embedding, pre-norms, q and k, final
+    assert all(not list(m.parameters()) for m in norms)
+    assert not [n for n, _ in model.named_parameters() if "norm" in n]
+    assert model.lm_head.weight is not model.wte.weight  # untied
+    assert model.wte.weight.std().item() == pytest.approx(0.8, rel=0.05)  # nanochat's N(0, 0.8) and N(0, 0.001)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.001, rel=0.05)
+    bound = math.sqrt(3 / 32)
+    for block in model.blocks:
+        attn, mlp = block.attn.sublayer, block.mlp.sublayer
+        assert not attn.out_proj.weight.any() and not mlp.proj.weight.any()
+        assert attn.q_proj.weight.abs().max() <= bound and attn.q_proj.weight.abs().max() > 0.9 * bound
+        assert mlp.fc.weight.abs().max() <= 0.4 * bound and mlp.fc.weight.abs().max() > 0.36 * bound
+        assert attn.scale == pytest.approx(1.44 / math.sqrt(16))  # q and k each times 1.2 after their norm
+        assert mlp.act is layers.relu2
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 10.0)
+    assert model(tokens())[0].abs().max() <= 15.0  # the logit softcap
 
 
 @pytest.mark.parametrize("kwargs, message", [
