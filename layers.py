@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.nn import functional as F
 
 from fused import fast_derf, fast_dyt, fast_geodesic_step, fast_rms_norm, fused
 
@@ -64,6 +66,25 @@ class HeadwiseRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = x.unflatten(-1, (self.n_head, -1))
         return fused(fast_rms_norm, rms_norm, groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
+
+
+def make_norm(kind: str, dim: int, n_head: int, eps: float, bias: bool, alpha_init: float) -> nn.Module:
+    """The norm of type `kind` (model.NORM_TYPES) over `dim` channels; alpha_init: DyT's and Derf's alpha."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    if kind in ("dyt", "derf"):
+        return {"dyt": DynamicTanh, "derf": DynamicErf}[kind](dim, alpha_init, bias)
+    return HeadwiseRMSNorm(dim, n_head, eps=eps)
+
+
+def without_parameters(norm: nn.Module) -> nn.Module:
+    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
+    for name, p in list(norm.named_parameters(recurse=False)):
+        delattr(norm, name)
+        norm.register_buffer(name, p.detach(), persistent=False)
+    return norm
 
 
 def dyt(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -288,9 +309,10 @@ class GainLinear(nn.Linear):
 
 
 def softmax_scale(attn_scale: str, head_dim: int) -> float:
-    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3) or sqrt(d_h) (nGPT §2.3.2,
-    for unit q and k, whose dot products have variance 1/d_h)."""
-    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim)}[attn_scale]
+    """The factor on q.k: 1/sqrt(d_h) (standard), 1/d_h (Bir et al. §4.3), sqrt(d_h) (nGPT §2.3.2, for unit q and
+    k, whose dot products have variance 1/d_h) or 1.44/sqrt(d_h) (nanochat: its normed q and k each times 1.2)."""
+    return {"1/sqrt(d)": 1.0 / math.sqrt(head_dim), "1/d": 1.0 / head_dim, "sqrt(d)": math.sqrt(head_dim),
+            "1.44/sqrt(d)": 1.2**2 / math.sqrt(head_dim)}[attn_scale]
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,9 +336,161 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, the MLP nonlinearity of modded-nanogpt and nanochat (So et al., Primer, 2021)."""
+    return F.relu(x).square()
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu2": relu2}  # the one-matrix MLPs' nonlinearity by `mlp` (swiglu has two)
+
+
 def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None = None) -> int:
     """The MLP's hidden width: `mlp_hidden` if given, else 4d for GELU and, for SwiGLU, 2/3 of 4d rounded up to
     a multiple of 64 (the same parameter count)."""
     if mlp_hidden is not None:
         return mlp_hidden
     return 64 * math.ceil(8 * n_embd / 3 / 64) if mlp == "swiglu" else 4 * n_embd
+
+
+def init_block_matrix(init: str, name: str, weight: torch.Tensor, n_layer: int) -> None:
+    """Draw a block's matrix `name` (its path in the block: attn.sublayer.q_proj, mlp.sublayer.fc, ...) by the
+    row's `init`; the GPT-2 default N(0, 0.02) is already drawn, and "normal" (OLMo 2, LNS) keeps it."""
+    residual_out = name.endswith(("out_proj", "mlp.sublayer.proj"))
+    if init == "gpt2" and residual_out:
+        # GPT-2: residual projections scaled by 1/sqrt(2L) (2 residual updates per block)
+        nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+    elif init == "xavier":
+        nn.init.xavier_normal_(weight)
+    elif init == "deepnorm":
+        # DeepNet (decoder-only): beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1
+        beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
+        nn.init.xavier_normal_(weight, gain=beta)
+    elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
+        nn.init.orthogonal_(weight)
+    elif init in ("zero_out", "nanochat") and residual_out:  # modded-nanogpt, nanochat: updates start at zero
+        nn.init.zeros_(weight)
+    elif init == "nanochat":  # nanochat gpt.py init_weights: U(+-sqrt(3/d)), the MLP's input map 0.4 times that
+        bound = math.sqrt(3 / weight.shape[1]) * (0.4 if name.endswith("mlp.sublayer.fc") else 1.0)
+        nn.init.uniform_(weight, -bound, bound)
+
+
+# ----------------------------------------------------------------------------- attention, logits and losses
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft cap (Gemma Team, 2024): cap * tanh(x / cap), in float32 at least. |out| < cap, and
+    out = x - x^3 / (3 cap^2) + ...: the identity to first order near 0."""
+    return cap * torch.tanh(x.to(torch.promote_types(x.dtype, torch.float32)) / cap)
+
+
+def z_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
+    """PaLM's auxiliary z-loss (Chowdhery et al., 2022, training setup): the mean over the targeted tokens of log(Z)^2,
+    Z = sum_j exp(logit_j) the softmax's normalizer, in float32 at least (as OLMo-core computes it)."""
+    log_z = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    valid = targets != ignore_index
+    return (log_z.square() * valid).sum() / valid.sum().clamp_min(1)
+
+
+class QKClip(nn.Module):
+    """QK-Clip of MuonClip (Kimi K2, arXiv 2507.20534): after each optimizer step, each head h whose largest
+    pre-softmax logit S_h in that step's forward passes exceeded tau gets W_q and W_k (its rows of them, and of
+    the biases) times sqrt(tau / S_h), so that the same inputs give it logits of at most tau; heads at or below
+    tau are left untouched. `record` keeps the running max per head (causal pairs, training forwards only, every
+    micro-batch of the step); `constrain_` (GPT.apply_parameter_constraints, after every step) takes it over all
+    ranks, rescales and starts the next step's record. The projections are held in a tuple, not registered here."""
+
+    def __init__(self, tau: float, n_head: int, q_proj: nn.Linear, k_proj: nn.Linear):
+        super().__init__()
+        self.tau, self.projections = tau, (q_proj, k_proj)
+        self.register_buffer("max_logit", torch.full((n_head,), -math.inf), persistent=False)
+
+    @torch.no_grad()
+    def record(self, scores: torch.Tensor, causal: torch.Tensor) -> None:
+        """Fold the largest logit of each head of `scores` (B, heads, T, T) over the causal pairs into the record."""
+        top = scores.detach().float().masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+        self.max_logit.copy_(torch.maximum(self.max_logit, top))
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        top = self.max_logit
+        if dist.is_available() and dist.is_initialized() and not (top.device.type == "cpu"
+                                                                 and dist.get_backend() == "nccl"):
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)  # (at init, on the CPU under NCCL, nothing is recorded yet)
+        # a non-finite record (a batch that overflowed, skipped or diverged) leaves the weights as they are
+        scale = (self.tau / top.nan_to_num(nan=self.tau, posinf=self.tau).clamp_min(self.tau)).sqrt()  # 1 at <= tau
+        for proj in self.projections:
+            rows = scale.repeat_interleave(proj.weight.shape[0] // scale.numel())
+            proj.weight.mul_(rows[:, None].to(proj.weight.dtype))
+            if proj.bias is not None:
+                proj.bias.mul_(rows.to(proj.bias.dtype))
+        top.fill_(-math.inf)
+
+
+class Attention(nn.Module):
+    """Causal softmax attention of (B, heads, T, head_dim) q, k, v: torch's fused kernel, or, where the scores
+    themselves are needed (Gemma 2's attention softcap, QK-Clip's record), the same math written out:
+    softmax(mask(cap(q k^T scale))) v with the softmax in float32 (as litgpt's softcapped path)."""
+
+    def __init__(self, scale: float, dropout: float, cap: float | None = None, clip: QKClip | None = None):
+        super().__init__()
+        self.scale, self.dropout, self.cap, self.clip = scale, dropout, cap, clip
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.cap is None and self.clip is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        T = scores.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+        if self.clip is not None and self.training:
+            self.clip.record(scores, causal)
+        if self.cap is not None:
+            scores = softcap(scores, self.cap)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        weights = F.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(v.dtype)
+        return F.dropout(weights, dropout) @ v
+
+
+class ValueResidual(nn.Module):
+    """ResFormer's value residual (Zhou et al., arXiv 2410.17897): v_l <- lambda_l v_l + (1 - lambda_l) v_1, v_1 the
+    first block's values (kept in the forward pass's `ctx`), lambda_l one learnable scalar per block from 1/2, the
+    paper's fixed value (its U_n = A_n (V_n + V_1) / 2; modded-nanogpt's learned lambda also starts at 0.5). The
+    first block only stores its values."""
+
+    def __init__(self, first: bool, init: float = 0.5):
+        super().__init__()
+        self.first = first
+        self.lam = None if first else nn.Parameter(torch.tensor(init))
+
+    def forward(self, v: torch.Tensor, ctx: dict) -> torch.Tensor:
+        if self.lam is None:
+            ctx["v1"] = v
+            return v
+        lam = self.lam.to(v.dtype)
+        return lam * v + (1 - lam) * ctx["v1"]
+
+
+# ----------------------------------------------------------------------------- the stream before each block
+
+
+def x0_mix_init(init: str, layer: int, n_layer: int) -> tuple[float, float]:
+    """(lambda_resid, lambda_x0) of block `layer` (0-based) at init: the identity (1, 0), as modded-nanogpt's
+    records began (2024-11-06), or with init="nanochat" nanochat's depth ramp, 1.15 -> 1.05 and 0.20 -> 0.05."""
+    if init != "nanochat":
+        return 1.0, 0.0
+    t = layer / max(n_layer - 1, 1)
+    return 1.15 - 0.10 * t, 0.20 - 0.15 * t
+
+
+class X0Mix(nn.Module):
+    """The residual and x0 scalars of nanochat and modded-nanogpt: before each block x <- lambda_resid x +
+    lambda_x0 x0, x0 the stream as it entered the first block, both learnable scalars of this block, starting at
+    `x0_mix_init` of the row's init."""
+
+    def __init__(self, init: str, layer: int, n_layer: int):
+        super().__init__()
+        resid, x0 = x0_mix_init(init, layer, n_layer)
+        self.resid, self.x0 = nn.Parameter(torch.tensor(resid)), nn.Parameter(torch.tensor(x0))
+
+    def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return self.resid.to(x.dtype) * x + self.x0.to(x.dtype) * x0

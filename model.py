@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import hyper
 import layers
 from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, SphereMLP
 
@@ -31,23 +32,30 @@ class Scheme(NamedTuple):
 
     norms: str  # where it normalizes, +-joined: input pre pre_attn pre_mlp qk qk_all qkv mid post post_attn final
     combine: str = "add"  # residual rule: add, pre_alt, deepnorm, convex, geodesic, rezero, rezero_block, nlerp (nGPT)
-    attn_scale: str = "1/sqrt(d)"  # attention logit scale: "1/sqrt(d)", "1/d" (Lipschitz), "sqrt(d)" (nGPT)
+    attn_scale: str = "1/sqrt(d)"  # logit scale: 1/sqrt(d), 1/d (Lipschitz), sqrt(d) (nGPT), 1.44/sqrt(d) (nanochat)
     branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
-    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out
+    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out, nanochat
     pre_norm_scale: str = "1"  # multiplies each pre-norm output: "1", or "1/sqrt(l)" in block l = 1..L (LNS)
     first_blocks: str = "same"  # "post": the first quarter of the blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
     tie_head: bool = True  # the output head shares the token embedding's weight (GPT-2)
+    z_loss: float = 0.0  # PaLM's z-loss weight c: train loss += c mean log(Z)^2; eval lines stay cross-entropy; 0: off
+    logit_softcap: float | None = None  # Gemma 2's final-logit cap c: logits <- c tanh(logits / c); None: off
+    attn_softcap: float | None = None  # Gemma 2's attention-score cap c before the softmax (explicit attention)
+    qk_clip: float | None = None  # QK-Clip's tau (Kimi K2): after each step, W_q, W_k of heads whose logits passed tau
+    value_residual: bool = False  # ResFormer: values v <- l v + (1 - l) v_1 (the first block's); l learnable, from 1/2
+    x0_mix: bool = False  # before each block x <- a x + b x0 (the embedding), a, b learnable per block (init: 1, 0)
+    residual_streams: int = 1  # n copies of the residual stream, joined by hyper_connections (1 and none: off)
+    hyper_connections: str = "none"  # learned stream reads and writes: static, dynamic (Zhu et al.), mhc (DeepSeek)
 
     def normalizes(self, *places: str) -> bool:
         """Whether the row has a norm at any of `places`."""
         return not set(places).isdisjoint(self.norms.split("+"))
 
 
-# Where a scheme can normalize: the embedding ("input"); each sub-layer's input ("pre" both, "pre_attn", "pre_mlp");
-# q and k per head (DNT eq. 10), over the whole projection (OLMo 2) or with v too (HybridNorm's QKV-norm); each
-# sub-layer's output ("mid"); the stream after each update ("post") or the attention update only (HybridNorm);
-# the stream before the head ("final").
+# Where a scheme can normalize: the embedding; each sub-layer's input (both, or one); q and k per head (DNT eq. 10),
+# over all heads (OLMo 2) or with v (HybridNorm); each sub-layer's output; the stream after each update (or the
+# attention's only: HybridNorm); the stream before the head.
 NORM_PLACES = ("input", "pre", "pre_attn", "pre_mlp", "qk", "qk_all", "qkv", "mid", "post", "post_attn", "final")
 
 SCHEMES: dict[str, Scheme] = {
@@ -72,6 +80,8 @@ SCHEMES: dict[str, Scheme] = {
     "rezero": Scheme("none", combine="rezero"),
     "speedrun": Scheme("input+pre+qk+final", init="zero_out", norm_affine=False),
     "ngpt": Scheme("qk", combine="nlerp", attn_scale="sqrt(d)", tie_head=False),
+    "nanochat": Scheme("input+pre+qk+final", attn_scale="1.44/sqrt(d)", init="nanochat", norm_affine=False,
+                       tie_head=False, logit_softcap=15.0, x0_mix=True),
 }
 
 # Row notes; the reference files and lines, and the reason for each choice: docs/schemes.md.
@@ -84,16 +94,18 @@ SCHEMES: dict[str, Scheme] = {
 # rezero: one alpha per residual update (combine=rezero_block: one per block, as the released rztx.py).
 # speedrun: modded-nanogpt record #8 (2024-11-03_UntieEmbed), head tied (it unties, zeroes it); later records differ.
 # ngpt: matrices and stream on the unit sphere (only the draw's direction counts); its QK-norm is L2 times s_qk.
+# nanochat: gpt.py's block (norm=rmsnorm, mlp=relu2, pos=rope); not its value embeddings, smear, backout, windows.
 # norm=dyt/derf, at every place but q/k/v: beta only with bias=True; DyT's LLaMA code decays all; Derf's alpha is 1.
 
 NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
 MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
 NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
-CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu"), "pos": ("learned", "rope"),  # every text key's values
+CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu", "relu2"), "pos": ("learned", "rope"),  # text keys' values
            "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
-           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
-           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out"),
+           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)", "1.44/sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
+           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out", "nanochat"),
+           "hyper_connections": ("none", *hyper.KINDS),
            "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
            "geonorm_radius": ("embedding", "sqrt_d")}
 
@@ -111,7 +123,7 @@ class GPTConfig:
     norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
     norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
     embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
-    mlp: str = "gelu"  # "gelu" (GPT-2) or "swiglu"
+    mlp: str = "gelu"  # "gelu" (GPT-2), "swiglu" or "relu2" (relu(x)^2: modded-nanogpt, nanochat)
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
     pos: str = "learned"  # position embedding: "learned" (GPT-2) or "rope" (base 10000)
     gain_cap: float | None = None  # Lipschitz block: a learned diagonal gain on each linear map, clamped to [1e-3, cap]
@@ -179,36 +191,39 @@ def check_config(c: GPTConfig) -> None:
     if c.hypersphere and (c.vector_mode or c.gain_cap is not None):
         raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
                          "it takes neither vector inputs (in_features) nor gain_cap")
+    check_stream_columns(c.scheme, c.hypersphere)
+
+
+def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
+    """The columns taken from other codebases: z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections."""
+    for key, value in (("logit_softcap", s.logit_softcap), ("attn_softcap", s.attn_softcap), ("qk_clip", s.qk_clip)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{key}={value} must be positive, or None (off)")
+    if not s.z_loss >= 0 or s.residual_streams < 1:
+        raise ValueError(f"z_loss={s.z_loss} must be >= 0 (0: off) and residual_streams={s.residual_streams} >= 1")
+    hyper_on = s.hyper_connections != "none"
+    if s.residual_streams > 1 and not hyper_on:
+        raise ValueError(f"residual_streams={s.residual_streams} needs hyper_connections (static, dynamic or mhc)")
+    if hyper_on and (s.combine != "add" or s.normalizes("post", "post_attn") or s.first_blocks == "post"):
+        raise ValueError("hyper_connections replace the residual add: give them a row with combine='add' and no post "
+                         "norm (as pre, peri, sandwich, dnt, lns)")
+    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv"):
+        raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
+    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix):
+        raise ValueError("combine='nlerp' (nGPT) keeps its stream and attention on the sphere: it takes none of "
+                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix")
 
 
 # ----------------------------------------------------------------------------- norms
 
 
-def make_norm(config: GPTConfig, alpha_init: float | None = None) -> nn.Module:
-    """The norm named by `config.norm`; alpha_init sets DyT/Derf's alpha here (None: `norm_alpha_init`)."""
-    if config.norm == "layernorm":
-        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-    if config.norm == "rmsnorm":
-        return layers.RMSNorm(config.n_embd, eps=config.norm_eps)
-    if config.norm in ELEMENTWISE_NORMS:
-        alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
-        return {"dyt": layers.DynamicTanh, "derf": layers.DynamicErf}[config.norm](config.n_embd, alpha, config.bias)
-    return layers.HeadwiseRMSNorm(config.n_embd, config.n_head, eps=config.norm_eps)
-
-
-def without_parameters(norm: nn.Module) -> nn.Module:
-    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
-    for name, p in list(norm.named_parameters(recurse=False)):
-        delattr(norm, name)
-        norm.register_buffer(name, p.detach(), persistent=False)
-    return norm
-
-
 def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None) -> nn.Module:
+    """The norm named by `config.norm` where `wanted` (alpha_init: DyT/Derf's alpha here; None: the MLP's)."""
     if not wanted:
         return nn.Identity()
-    norm = make_norm(config, alpha_init)
-    return norm if config.scheme.norm_affine else without_parameters(norm)
+    alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
+    norm = layers.make_norm(config.norm, config.n_embd, config.n_head, config.norm_eps, config.bias, alpha)
+    return norm if config.scheme.norm_affine else layers.without_parameters(norm)
 
 
 def norm_alpha_init(config: GPTConfig, place: str) -> float:
@@ -250,23 +265,24 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
     shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
     norm = layers.RMSNorm(shape, eps=config.norm_eps)
-    return norm if scheme.norm_affine else without_parameters(norm)
+    return norm if scheme.norm_affine else layers.without_parameters(norm)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         d, self.n_head = config.n_embd, config.n_head
         self.head_dim = d // config.n_head
         # separate q/k/v maps: each is its own matrix for the inits and Muon-style optimizers
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            make_linear(config, d, d) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (make_linear(config, d, d) for _ in range(4))
         scheme = config.scheme
         qk_norm = scheme.normalizes("qk", "qk_all", "qkv")
         self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
         self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
         self.scale = layers.softmax_scale(scheme.attn_scale, self.head_dim)
-        self.dropout = config.dropout
+        clip = None if scheme.qk_clip is None else layers.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
+        self.attend = layers.Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
+        self.value_residual = layers.ValueResidual(layer == 0) if scheme.value_residual else None
         self.rope = config.pos == "rope"
         if self.rope:
             layers.register_rope(self, self.head_dim, config.block_size, 10000.0)
@@ -292,13 +308,12 @@ class CausalSelfAttention(nn.Module):
             k = layers.apply_rope(k, self.rope_cos, self.rope_sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        if self.value_residual is not None:  # ResFormer: the first block's values ride in ctx
+            v = self.value_residual(v, ctx)
+        return self.out_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
@@ -306,6 +321,7 @@ class MLP(nn.Module):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
+        self.act = layers.ACTIVATIONS.get(config.mlp)
         hidden = layers.mlp_width(d, config.mlp, config.mlp_hidden)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
@@ -314,36 +330,27 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.proj(F.silu(self.gate(x)) * self.fc(x))
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(self.act(self.fc(x)))
 
 
-def make_attention(config: GPTConfig) -> nn.Module:
-    """The block's attention: nGPT's unit-norm attention (ngpt.py) on the hypersphere (combine "nlerp")."""
+def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]:
+    """Block `layer`'s attention and MLP: nGPT's unit-norm ones (ngpt.py) on the hypersphere (combine "nlerp")."""
     if not config.hypersphere:
-        return CausalSelfAttention(config)
+        return CausalSelfAttention(config, layer), MLP(config)
     rope_length = config.block_size if config.pos == "rope" else None
-    return SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
-                           config.scheme.attn_scale, config.dropout, rope_length)
-
-
-def make_mlp(config: GPTConfig) -> nn.Module:
-    """The block's MLP: nGPT's unit-norm MLP (ngpt.py) on the hypersphere (combine "nlerp")."""
-    if not config.hypersphere:
-        return MLP(config)
     hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
-    return SphereMLP(config.n_embd, hidden, config.bias, swiglu=config.mlp == "swiglu")
+    return (SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
+                            config.scheme.attn_scale, config.dropout, rope_length),
+            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu", layers.ACTIVATIONS.get(config.mlp)))
 
 
 # ----------------------------------------------------------------------------- block
 
 
 def block_scheme(config: GPTConfig, layer: int) -> Scheme:
-    """The row as block `layer` (0-based) uses it: the `first_blocks` rule may place its norms differently.
-
-    "post" (Mix-LN, Li et al.): Post-Norm in the first floor(MIXLN_FRACTION * L) blocks, the row's Pre-Norm after
-    them, as `post_pre` of the LayerNorm-Scaling code. "pre" (HybridNorm*, Zhuo et al.): block 0 is Pre-Norm on
-    both sub-layers and keeps the row's QKV-norm, as the HybridNorm code's `norm_pos_special_config` for block 0.
-    """
+    """The row as block `layer` (0-based) uses it. first_blocks="post" (Mix-LN, Li et al.): Post-Norm in the first
+    floor(MIXLN_FRACTION * L) blocks, as LayerNorm-Scaling's `post_pre`; "pre" (HybridNorm*, Zhuo et al.): block 0
+    Pre-Norm on both sub-layers with the row's QKV-norm, as HybridNorm's `norm_pos_special_config`."""
     scheme = config.scheme
     if scheme.first_blocks == "post" and layer < math.floor(MIXLN_FRACTION * config.n_layer):
         return with_norms(scheme, drop=("pre", "pre_attn", "pre_mlp", "post_attn"), add="post")
@@ -373,28 +380,39 @@ class ResidualUpdate(nn.Module):
         self.mid_norm = maybe_norm(config, scheme.normalizes("mid"), alpha)
         self.combine = make_combine(config, j, layer)
         self.post_norm = maybe_norm(config, scheme.normalizes("post", f"post_{name}"), alpha)
+        self.takes_ctx = isinstance(sublayer, CausalSelfAttention)
+        n, kind = scheme.residual_streams, scheme.hyper_connections  # hyper-connections replace combine (an add)
+        self.hyper = None if kind == "none" else hyper.HyperConnection(kind, n, config.n_embd, j - 1, config.norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def branch(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         h = self.pre_norm(x)
         if self.pre_norm_scale != 1.0:
             h = self.pre_norm_scale * h
-        y = self.sublayer(h)
+        y = self.sublayer(h, ctx) if self.takes_ctx else self.sublayer(h)
         if self.branch_scale != 1.0:
             y = self.branch_scale * y
-        y = self.mid_norm(self.dropout(y))
-        return self.post_norm(self.combine(x, y))
+        return self.mid_norm(self.dropout(y))
+
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        if self.hyper is not None:  # x: the streams (B, T, n, d)
+            return self.hyper(x, self.branch, ctx)
+        return self.post_norm(self.combine(x, self.branch(x, ctx)))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.attn = ResidualUpdate(config, make_attention(config), "attn", 2 * layer + 1, layer)
-        self.mlp = ResidualUpdate(config, make_mlp(config), "mlp", 2 * layer + 2, layer)
+        attn, mlp = make_sublayers(config, layer)
+        self.attn = ResidualUpdate(config, attn, "attn", 2 * layer + 1, layer)
+        self.mlp = ResidualUpdate(config, mlp, "mlp", 2 * layer + 2, layer)
         if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
+        self.x0_mix = layers.X0Mix(config.scheme.init, layer, config.n_layer) if config.scheme.x0_mix else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attn(x))
+    def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
+        if self.x0_mix is not None:
+            x = self.x0_mix(x, ctx["x0"])
+        return self.mlp(self.attn(x, ctx), ctx)
 
 
 # ----------------------------------------------------------------------------- GPT
@@ -407,10 +425,8 @@ class GPT(nn.Module):
         scheme = config.scheme
         d = config.n_embd
         embedding = SphereEmbedding if config.hypersphere else nn.Embedding
-        if config.vector_mode:
-            self.wte = nn.Linear(config.in_features, d, bias=False)
-        else:
-            self.wte = embedding(config.vocab_size, d)
+        vector = config.vector_mode
+        self.wte = nn.Linear(config.in_features, d, bias=False) if vector else embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
         self.embed_scale = layers.ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.normalizes("input"))
@@ -420,19 +436,20 @@ class GPT(nn.Module):
         self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
         self.final_norm = maybe_norm(config, scheme.normalizes("final"), norm_alpha_init(config, "final"))
-        if config.vector_mode:
-            self.lm_head = nn.Linear(d, config.out_features, bias=False)
-        elif config.hypersphere:
-            self.lm_head = SphereHead(d, config.vocab_size)
-        else:
-            self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        if scheme.tie_head and not config.vector_mode:
+        out = config.out_features if vector else config.vocab_size
+        self.lm_head = SphereHead(d, out) if config.hypersphere else nn.Linear(d, out, bias=False)
+        if scheme.tie_head and not vector:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
+        self.streams = scheme.residual_streams if scheme.hyper_connections != "none" else None
+        self.logit_softcap, self.z_loss = scheme.logit_softcap, scheme.z_loss
         self.apply(self._init_weights)
         for block in self.blocks:
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
-                    self._init_block_linear(name, module.weight)
+                    layers.init_block_matrix(scheme.init, name, module.weight, config.n_layer)
+        if scheme.init == "nanochat" and not vector:  # nanochat gpt.py init_weights
+            nn.init.normal_(self.wte.weight, std=0.8)
+            nn.init.normal_(self.lm_head.weight, std=0.001)
         self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
 
     # ---- initialization
@@ -447,25 +464,6 @@ class GPT(nn.Module):
             # Bir et al. §4.3: N(0, 1/s) with s non-zero input features, so embedded RMS ~ 1
             fan_in = self.config.embed_fan_in or self.config.in_features
             nn.init.normal_(module.weight, mean=0.0, std=fan_in**-0.5)
-
-    def _init_block_linear(self, name: str, weight: torch.Tensor) -> None:
-        """The hidden matrices' init named by the scheme's `init` primitive."""
-        init, n_layer = self.config.scheme.init, self.config.n_layer
-        residual_out = name.endswith(("out_proj", "mlp.sublayer.proj"))
-        if init == "gpt2" and residual_out:
-            # GPT-2: residual projections scaled by 1/sqrt(2L) (2 residual updates per block)
-            nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-        elif init == "xavier":
-            nn.init.xavier_normal_(weight)
-        elif init == "deepnorm":
-            # DeepNet (decoder-only): beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1
-            beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
-            nn.init.xavier_normal_(weight, gain=beta)
-        elif init == "orthogonal":  # Bir et al. §4.3: every hidden matrix starts orthonormal
-            nn.init.orthogonal_(weight)
-        elif init == "zero_out" and residual_out:  # modded-nanogpt: each residual update starts at zero
-            nn.init.zeros_(weight)
-        # "normal" (OLMo 2, LNS) keeps N(0, 0.02) everywhere: no 1/sqrt(2L) on the residual projections
 
     # ---- forward
 
@@ -490,16 +488,21 @@ class GPT(nn.Module):
         own loss, so the second element is None. Without targets, a token model returns only
         the last position's logits (all that sampling needs).
         """
-        x = self.embed(idx)
+        x = self.embed(idx) if self.streams is None else hyper.expand(self.embed(idx), self.streams)
+        ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
-            x = block(x)
-        x = self.final_norm(x)
+            x = block(x, ctx)
+        x = self.final_norm(x if self.streams is None else hyper.reduce(x))
         if self.config.vector_mode:
             return self.lm_head(x), None
+        logits = self.lm_head(x if targets is not None else x[:, [-1], :])
+        if self.logit_softcap is not None:
+            logits = layers.softcap(logits, self.logit_softcap)
         if targets is None:
-            return self.lm_head(x[:, [-1], :]), None
-        logits = self.lm_head(x)
+            return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        if self.z_loss and self.training:  # the objective only: evaluations report the cross-entropy
+            loss = loss + self.z_loss * layers.z_loss(logits, targets)
         return logits, loss
 
     # ---- constraints applied after every optimizer step

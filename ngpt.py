@@ -8,6 +8,7 @@ where they differ, the docstrings below say which one is followed and why it doe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -179,12 +180,12 @@ class SphereMLP(nn.Module):
     has u <- s_u * u. Without biases (nGPT has none) the two are one model: the MLP's output is used only
     after Norm (eq. 11), which makes it 0-homogeneous in u. With `bias=True` (an option of this project)
     they differ, through the output projection's bias, and this follows the released code. With
-    mlp="gelu" (not in nGPT) the one input map feeds the nonlinearity and takes v's scaling.
+    mlp="gelu" or "relu2" (not in nGPT) the one input map feeds the nonlinearity and takes v's scaling.
     """
 
-    def __init__(self, n_embd: int, hidden: int, bias: bool, swiglu: bool):
+    def __init__(self, n_embd: int, hidden: int, bias: bool, swiglu: bool, act: Callable | None = None):
         super().__init__()
-        d, self.swiglu = n_embd, swiglu
+        d, self.swiglu, self.act = n_embd, swiglu, act or F.gelu  # act: the one-matrix MLP's nonlinearity
         self.fc = SphereLinear(d, hidden, bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
         self.gate = SphereLinear(d, hidden, bias, unit_dim=1) if swiglu else None  # v
         self.proj = SphereLinear(hidden, d, bias, unit_dim=0)
@@ -195,5 +196,5 @@ class SphereMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         v_scale = self.s_v() * self.sqrt_d
         if not self.swiglu:
-            return self.proj(F.gelu(self.fc(x, v_scale)))
+            return self.proj(self.act(self.fc(x, v_scale)))
         return self.proj(self.fc(x, self.s_u() * self.sqrt_d) * F.silu(self.gate(x, v_scale)))

@@ -64,6 +64,35 @@ def test_representative_models_trace_to_one_graph(case):
     assert_one_graph(tiny_config(*case))
 
 
+# the columns taken from other codebases, all at once (tests/test_columns.py), with RoPE and the relu^2 MLP
+COLUMNS = dict(z_loss=1e-4, logit_softcap=15.0, attn_softcap=50.0, qk_clip=100.0, value_residual=True, x0_mix=True,
+               residual_streams=2)
+
+
+def columns_config(kind: str) -> GPTConfig:
+    return GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, pos="rope", mlp="relu2",
+                     overrides={**COLUMNS, "hyper_connections": kind})
+
+
+@pytest.mark.parametrize("kind", ["dynamic", pytest.param("static", marks=pytest.mark.compile),
+                                  pytest.param("mhc", marks=pytest.mark.compile)])
+def test_every_column_from_other_codebases_traces_to_one_graph(kind):
+    # explicit softcapped attention recording QK-Clip's maxima, value residual and x0 mix through the forward's
+    # ctx, two residual streams with hyper-connections, the logit softcap and the z-loss
+    assert_one_graph(columns_config(kind))
+
+
+@pytest.mark.compile
+def test_compiled_columns_from_other_codebases_match_eager():
+    torch.manual_seed(0)
+    model = GPT(columns_config("mhc"))
+    idx = torch.randint(0, 64, (2, 16))
+    eager_logits, eager_loss = model(idx, idx)
+    logits, loss = torch.compile(model)(idx, idx)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-5)  # as below: reordered float32 sums
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("case", MATRIX, ids=case_id)
 def test_every_model_traces_to_one_graph(case):

@@ -156,13 +156,14 @@ ROW_INIT = {
     "geonorm": "gpt2", "dnt": "xavier", "dnt_s1": "xavier", "dnt_s2": "xavier", "dnt_s3": "xavier",
     "dnt_s4": "xavier", "lipschitz": "orthogonal", "none": "orthogonal", "peri": "gpt2", "olmo2": "normal",
     "mixln": "gpt2", "lns": "normal", "hybrid": "gpt2", "rezero": "gpt2", "speedrun": "zero_out",
+    "nanochat": "nanochat",
 }
 
 
 def residual_output_std(init: str, L: int, fan_in: int, fan_out: int) -> float:
     """The std of a residual output projection's (fan_out x fan_in) entries under each init."""
     xavier = math.sqrt(2 / (fan_in + fan_out))
-    return {"gpt2": 0.02 / math.sqrt(2 * L), "normal": 0.02, "zero_out": 0.0, "xavier": xavier,
+    return {"gpt2": 0.02 / math.sqrt(2 * L), "normal": 0.02, "zero_out": 0.0, "nanochat": 0.0, "xavier": xavier,
             "deepnorm": (8 * L) ** -0.25 * xavier,  # DeepNet: gain beta = (8L)^(-1/4) on out and the MLP
             "orthogonal": math.sqrt(min(fan_in, fan_out) / (fan_in * fan_out))}[init]  # orthonormal rows or columns
 

@@ -63,10 +63,18 @@ def assert_same_tensors(a, b) -> None:
 # ----------------------------------------------------------------------------- exact resume in-process
 
 
+# every column taken from other codebases at once (tests/test_columns.py); QK-Clip's tau is low enough to clip heads
+# in most steps of these tiny runs (their largest logits are 0.03 to 0.07), so its rescale and its record over ranks
+# and micro-batches are exercised
+COLUMNS = dict(z_loss=1e-4, logit_softcap=30.0, attn_softcap=50.0, qk_clip=0.05, value_residual=True, x0_mix=True,
+               residual_streams=2, hyper_connections="mhc")
+
+
 # plain float32 AdamW is left out: test_train.py's test_resume_continues_exactly and test_killed_run_resumes_exactly's
-# AdamW cases check it (dropout 0.1, bitwise)
+# AdamW cases check it (dropout 0.1, bitwise); the columns run with Muon (with QK-Clip: Kimi K2's MuonClip)
 @pytest.mark.parametrize("optimizer, extra", [(name, {}) for name in optim.OPTIMIZERS if name != "adamw"]
-                         + [("adamw", {"dtype": "float16", "max_iters": 6})])
+                         + [("adamw", {"dtype": "float16", "max_iters": 6}), ("muon", COLUMNS)],
+                         ids=[*(name for name in optim.OPTIMIZERS if name != "adamw"), "adamw-float16", "muon-columns"])
 def test_resume_is_bitwise_for_every_optimizer(data_dir, tmp_path, optimizer, extra):
     """4 + 4 iterations (3 + 3 in float16, slow on a CPU) equal 8 straight; dropout 0.1 checks the RNG
     streams, float16 the GradScaler's growth tracker. Exact: the same float ops in the same order."""
@@ -171,16 +179,21 @@ def test_two_ranks_stop_together_on_an_input_error_only_rank_0_sees(straight_run
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
-@pytest.mark.parametrize("optimizer, nproc, delay, stop", [
+@pytest.mark.parametrize("optimizer, nproc, delay, stop, columns", [
     # slow: a SIGKILLed single process resuming bitwise is the Manifold Muon case below, plain float32 AdamW
     # resuming bitwise (dropout 0.1) is test_train.py's test_resume_continues_exactly in-process and the
     # two-rank AdamW case below (SIGTERM, then the same bitwise comparison of every loss and the final state)
-    pytest.param("adamw", 1, 0.0, "SIGKILL", marks=pytest.mark.slow),
-    ("manifold_muon", 1, 0.15, "SIGKILL"), ("adamw", 2, 0.0, "SIGTERM"),
+    pytest.param("adamw", 1, 0.0, "SIGKILL", {}, marks=pytest.mark.slow),
+    ("manifold_muon", 1, 0.15, "SIGKILL", {}),
+    # the two-rank AdamW run with every column from other codebases on (QK-Clip's maxima taken over the ranks); the
+    # same run without them is slow: the guarantees it checks do not depend on the model (half a minute each)
+    ("adamw", 2, 0.0, "SIGTERM", COLUMNS), pytest.param("adamw", 2, 0.0, "SIGTERM", {}, marks=pytest.mark.slow),
     # slow (half a minute on 2 cores): its parts are covered by the single-process Manifold Muon kill above,
     # the two-rank resume above and tests/test_optim.py's sharded Manifold Muon against one process
-    pytest.param("manifold_muon", 2, 0.15, "SIGKILL", marks=pytest.mark.slow)])
-def test_killed_run_resumes_exactly(data_dir, tmp_path, optimizer, nproc, delay, stop):
+    pytest.param("manifold_muon", 2, 0.15, "SIGKILL", {}, marks=pytest.mark.slow)],
+    ids=["adamw-1-0.0-SIGKILL", "manifold_muon-1-0.15-SIGKILL", "adamw-2-0.0-SIGTERM-columns", "adamw-2-0.0-SIGTERM",
+         "manifold_muon-2-0.15-SIGKILL"])
+def test_killed_run_resumes_exactly(data_dir, tmp_path, optimizer, nproc, delay, stop, columns):
     """SIGKILL a run somewhere after its first checkpoint (iter 4; where exactly depends on timing),
     resume it, and compare with an uninterrupted run to 6 iterations past the checkpoint: every loss
     and the final state are bitwise equal on the CPU, whatever iteration the kill landed on.
@@ -191,7 +204,7 @@ def test_killed_run_resumes_exactly(data_dir, tmp_path, optimizer, nproc, delay,
     # RoPE's tables are buffers, and with one eval batch rank 1 of two evaluates none: a buffer sync in rank
     # 0's eval forward would never be matched (a hang until dist_timeout)
     settings = dict(optimizer=optimizer, dropout=0.1, gradient_accumulation_steps=2, lr_decay_iters=40,
-                    eval_interval=4, pos="rope", eval_iters=1)
+                    eval_interval=4, pos="rope", eval_iters=1, **columns)
     proc = launch(nproc, tiny_run_args(data_dir, killed, max_iters=10**6, **settings), f"{killed}.log")
     try:
         wait_for_train_iter(killed, proc, f"{killed}.log", 5)

@@ -121,7 +121,7 @@ def run_torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 
 
 # slow: the same property is checked in the default run by test_resume.py's
-# test_killed_run_resumes_exactly[adamw-2-0.0-SIGTERM], whose two-rank checkpoint, resumed on one process with
+# test_killed_run_resumes_exactly[adamw-2-0.0-SIGTERM-columns], whose two-rank checkpoint, resumed on one process with
 # 2 micro-batches, gives the two-rank run's losses to 1e-5 for 6 steps, and by test_optim.py's
 # test_distributed_sharding_is_identical_on_ranks_and_to_one_process for the optimizers' sharded updates
 @pytest.mark.slow

@@ -1,0 +1,122 @@
+"""
+Hyper-connections (Zhu et al., *Hyper-Connections*, ICLR 2025, arXiv 2409.19606): n copies of the residual
+stream, H (B, T, n, d), which each residual update reads through a learned mix and writes back with learned
+weights; and DeepSeek's manifold-constrained hyper-connections (mHC, arXiv 2512.24880), whose stream-mixing
+matrix is kept doubly stochastic. For one residual update with branch f (the row's pre-norm, sub-layer and
+mid-norm):
+
+    h  = sum_s read_s H_s                  HC: A_m^T H          mHC: H_pre x
+    H' = mix H + write f(h)                HC: A_r^T H + B^T f   mHC: H_res x + H_post^T f
+
+`expand` makes the n copies of the embedding before the first block, `reduce` sums them after the last (the
+paper's "sum of the rows", before the final norm). With n = 1 and the identity init (read 1, mix 1, write 1)
+static and dynamic are exactly the row's x + f(x); mHC's read is a sigmoid and cannot start at 1 (below).
+Every coefficient vector is stored 1-D and so never weight-decayed (optim.split_params); the dynamic
+projections are matrices and are decayed like the embeddings, toward the static connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from layers import rms_norm
+
+KINDS = ("static", "dynamic", "mhc")
+SINKHORN_ITERS = 20  # mHC's t_max: alternating normalizations per projection
+GATE_INIT = 0.01  # HC's s_alpha, s_beta and mHC's alpha gates start here (lucidrains' and x-transformers' 1e-2)
+
+
+def expand(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, T, d) -> (B, T, n, d): n copies of the stream (a view; every update writes a new tensor)."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+
+def reduce(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, n, d) -> (B, T, d): the streams summed (Zhu et al. §3: the last hidden matrix summed row-wise)."""
+    return x.sum(-2)
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least (a bf16 coefficient under autocast)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tensor:
+    """mHC's projection of (..., n, n) logits onto the doubly stochastic matrices (Sinkhorn-Knopp): exp, then
+    alternately every column and every row scaled to sum 1 (the max subtracted first only guards exp; the
+    scalings undo it). It ends on the rows: they sum to 1 to rounding, the columns to the method's convergence."""
+    m = (wide(logits) - wide(logits).amax(dim=(-2, -1), keepdim=True)).exp()
+    for _ in range(iters):
+        m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
+    return m
+
+
+def hyper_update(H: torch.Tensor, read: torch.Tensor, mix: torch.Tensor, write: torch.Tensor,
+                 branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """One residual update on the streams H (..., n, d): read (..., n), mix (..., n_out, n_in), write (..., n).
+    Elementwise products and sums (no matmul): the stream keeps its dtype under autocast, and at n = 1 every
+    coefficient 1 multiplies exactly."""
+    h = (read.unsqueeze(-1) * H).sum(-2)
+    y = branch(h, *args)
+    return (mix.unsqueeze(-1) * H.unsqueeze(-3)).sum(-2) + write.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+class HyperConnection(nn.Module):
+    """The connection of residual update k (0-based over all the blocks' attention and MLP updates).
+
+    static (Zhu et al., SHC): learned A_m (read), B (write) and A_r (stream mix), starting at the paper's
+    Pre-Norm-equivalent init e_(k mod n), 1 and I, so that update k reads stream k mod n.
+    dynamic (Zhu et al., DHC): those plus s_alpha tanh(norm(H) W_m), s_beta tanh(norm(H) W_beta), s_alpha tanh(norm(H)
+    W_r), per token and stream; W starts at 0 and s_alpha, s_beta at GATE_INIT; norm is a parameter-free RMSNorm
+    (the paper's is a LayerNorm, whose gain W absorbs).
+    mhc (mHC): from the RMS-normalized flattened streams x (n d), H_pre = sigmoid(a_pre x phi_pre + b_pre),
+    H_post = 2 sigmoid(a_post x phi_post + b_post), H_res = Sinkhorn-Knopp(a_res x phi_res + b_res); phi starts at 0,
+    the gates a at GATE_INIT, b_pre at e_(k mod n) and b_res at I (as lucidrains' mHC), b_post at 0 so that H_post
+    starts at HC's B = 1. H_pre = sigmoid(1) = 0.73 on the read stream cannot be 1: with n = 1, mhc reads 0.73 x
+    (a pre-norm removes that scale up to its eps).
+    """
+
+    def __init__(self, kind: str, n: int, d: int, k: int, eps: float):
+        super().__init__()
+        self.kind, self.n, self.eps = kind, n, eps
+        first = F.one_hot(torch.tensor(k % n), n).float()  # e_(k mod n)
+        identity = torch.eye(n).flatten()
+        if kind == "mhc":
+            self.bias = nn.Parameter(torch.cat([first, torch.zeros(n), identity]))  # b_pre, b_post, b_res
+            self.proj = nn.Parameter(torch.zeros(n * d, 2 * n + n * n))  # phi_pre, phi_post, phi_res
+            self.gates = nn.Parameter(torch.full((3,), GATE_INIT))  # a_pre, a_post, a_res
+        else:
+            self.static = nn.Parameter(torch.cat([first, torch.ones(n), identity]))  # A_m, B, A_r
+            if kind == "dynamic":
+                self.proj = nn.Parameter(torch.zeros(d, 2 + n))  # W_m, W_beta, W_r
+                self.gates = nn.Parameter(torch.full((2,), GATE_INIT))  # s_alpha, s_beta
+
+    def coefficients(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """read (..., n), mix (..., n_out, n_in) and write (..., n) for the streams H (B, T, n, d); static: no
+        batch dimensions."""
+        n = self.n
+        if self.kind == "mhc":
+            x = rms_norm(H.flatten(-2), None, self.eps)
+            c = wide(x @ self.proj.to(x.dtype))
+            read = torch.sigmoid(self.gates[0] * c[..., :n] + self.bias[:n])
+            write = 2 * torch.sigmoid(self.gates[1] * c[..., n:2 * n] + self.bias[n:2 * n])
+            mix = sinkhorn_knopp((self.gates[2] * c[..., 2 * n:] + self.bias[2 * n:]).unflatten(-1, (n, n)))
+            return read, mix, write
+        read, write, mix = self.static[:n], self.static[n:2 * n], self.static[2 * n:].view(n, n)
+        if self.kind == "dynamic":
+            c = wide(torch.tanh(rms_norm(H, None, self.eps) @ self.proj.to(H.dtype)))  # (B, T, n, 2 + n)
+            read = read + self.gates[0] * c[..., 0]
+            write = write + self.gates[1] * c[..., 1]
+            mix = mix + self.gates[0] * c[..., 2:]
+        return read, mix.transpose(-2, -1), write  # HC's A_r[s, t] takes stream s to stream t: mix = A_r^T
+
+    def forward(self, H: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        return hyper_update(H, *self.coefficients(H), branch, *args)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, n={self.n}"

@@ -1,0 +1,306 @@
+"""The columns taken from other codebases (z-loss, Gemma 2's softcaps, QK-Clip, ResFormer's value residual, the x0
+mix, hyper-connections and mHC) and the nanochat row, each checked against the equation that defines it; each
+column at its identity setting is the row it modifies, bit for bit."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from test_model import tiny, tokens
+from torch.nn import functional as F
+
+import layers
+from hyper import HyperConnection, sinkhorn_knopp
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def logits_of(config: GPTConfig, prepare=None, dtype=torch.float32) -> torch.Tensor:
+    """The logits of a model drawn with seed 0 on `tokens()`, after `prepare(model)` (under no_grad)."""
+    torch.manual_seed(0)
+    model = GPT(config).to(dtype)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(model)
+    return model(tokens(), tokens())[0]
+
+
+def inputs_of(modules: list[nn.Module], run) -> list[torch.Tensor]:
+    """The first argument each module is called with while `run()` runs (forward pre-hooks, then removed)."""
+    seen: list[torch.Tensor] = []
+    handles = [m.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach())) for m in modules]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+# ----------------------------------------------------------------------------- z-loss
+
+
+def test_z_loss_is_the_mean_squared_log_normalizer_and_enters_the_training_loss_only():
+    g = torch.Generator().manual_seed(0)
+    logits = 5 * torch.randn(3, 7, 11, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 11, (3, 7), generator=g)
+    targets[0, :2] = -1  # ignored tokens (ignore_index) count in neither the cross-entropy nor the z-loss
+    log_z = torch.log(torch.exp(logits).sum(-1))  # the softmax's normalizer, written out
+    expected = log_z[targets != -1].square().mean()
+    torch.testing.assert_close(layers.z_loss(logits, targets), expected, rtol=1e-12, atol=0)  # float64 rounding
+
+    torch.manual_seed(0)
+    model = GPT(tiny(overrides={"z_loss": 1e-2})).double()
+    idx = tokens()
+    logits, loss = model(idx, idx)
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())  # as GPT.forward: in float32
+    torch.testing.assert_close(loss, cross_entropy + 1e-2 * torch.logsumexp(logits, -1).square().mean(),
+                               rtol=1e-12, atol=0)
+    model.eval()  # evaluations report the plain cross-entropy (no dropout: the same logits)
+    torch.testing.assert_close(model(idx, idx)[1], cross_entropy, rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------- softcaps
+
+
+@pytest.mark.parametrize("cap", [15.0, 50.0])
+def test_softcap_bounds_by_c_and_is_the_identity_to_first_order_near_zero(cap):
+    x = torch.linspace(-1e4, 1e4, 2001, dtype=torch.float64)
+    assert layers.softcap(x, cap).abs().max() <= cap
+    assert layers.softcap(x.float(), cap).abs().max() <= cap
+    small = torch.linspace(-1e-2, 1e-2, 101, dtype=torch.float64) * cap
+    # u - u^3/3 <= tanh(u) <= u for u >= 0: |c tanh(x/c) - x| <= |x|^3 / (3 c^2), plus float64 rounding
+    error = (layers.softcap(small, cap) - small).abs()
+    assert (error <= small.abs() ** 3 / (3 * cap**2) + 1e-15 * cap).all()
+    assert error.max() > 0  # and the cap did act
+
+
+def test_logit_softcap_caps_the_models_logits():
+    def large_head(model):  # raw logits in the hundreds
+        model.lm_head.weight.mul_(1e3)
+
+    plain = logits_of(tiny(), large_head, torch.float64)
+    capped = logits_of(tiny(overrides={"logit_softcap": 30.0}), large_head, torch.float64)
+    assert plain.abs().max() > 100 and capped.abs().max() <= 30.0
+    torch.testing.assert_close(capped, 30.0 * torch.tanh(plain / 30.0), rtol=1e-12, atol=1e-12)
+
+
+def reference_attention(q, k, v, scale, cap=None):
+    scores = q @ k.transpose(-2, -1) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    T = scores.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1) @ v
+
+
+def test_attention_softcap_caps_the_scores_before_the_causal_softmax():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q = 40 * q  # scores in the hundreds: uncapped, each query attends to one key
+    attend = layers.Attention(8**-0.5, 0.0, cap=5.0)
+    torch.testing.assert_close(attend(q, k, v), reference_attention(q, k, v, 8**-0.5, cap=5.0), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(attend(q, k, v), reference_attention(q, k, v, 8**-0.5), atol=1e-3)
+    # the explicit path is SDPA's math: a cap far above every score changes nothing at float32's resolution
+    config, wide = tiny(), tiny(overrides={"attn_softcap": 1e6})
+    torch.testing.assert_close(logits_of(wide), logits_of(config), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- QK-Clip
+
+
+def head_max_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The largest attention logit of each head of the model's only block on `idx` (causal pairs, eval mode)."""
+    attn = model.blocks[0].attn.sublayer
+    model.eval()
+    (x,) = inputs_of([attn], lambda: model(idx))
+    model.train()
+    with torch.no_grad():
+        q, k, _ = attn.heads(x)
+        scores = q @ k.transpose(-2, -1) * attn.scale
+    causal = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, -math.inf).amax(dim=(0, 2, 3))
+
+
+def test_qk_clip_brings_each_heads_largest_logit_to_tau_after_a_step_and_leaves_the_others():
+    tau, clipped, kept = 1.0, [0, 2], [1, 3]
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1, n_head=4, overrides={"qk_clip": tau}))
+    attn = model.blocks[0].attn.sublayer
+    with torch.no_grad():  # heads 0 and 2 far above tau
+        for h in clipped:
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight[8 * h: 8 * h + 8] *= 40
+                proj.bias[8 * h: 8 * h + 8].normal_(0, 0.5)
+    idx = tokens()
+    before = head_max_logits(model, idx)
+    assert (before[clipped] > 5 * tau).all() and (before[kept] < tau / 5).all()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    record = attn.attend.clip.max_logit.clone()
+    torch.testing.assert_close(record, before, rtol=1e-6, atol=0)  # the step's forward recorded each head's max
+    stepped = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    model.apply_parameter_constraints()
+    for name in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias"):
+        now, then = getattr(attn, name.split(".")[0]).get_parameter(name.split(".")[1]), stepped[name]
+        for h in range(4):
+            rows = slice(8 * h, 8 * h + 8)
+            if h in kept:  # untouched, bit for bit
+                assert torch.equal(now[rows], then[rows])
+            else:  # W_q and W_k of the head each times sqrt(tau / S)
+                torch.testing.assert_close(now[rows], then[rows] * math.sqrt(tau / record[h]), rtol=1e-6, atol=0)
+    after = head_max_logits(model, idx)
+    # the rescale takes the recorded max exactly to tau; the AdamW step between (each weight moves by about lr =
+    # 1e-4 against weights of about 0.8) moves a logit by well under 1% of itself
+    assert ((after[clipped] - tau).abs() <= 0.01 * tau).all(), after
+    assert (after[kept] < tau).all()
+    assert torch.equal(attn.attend.clip.max_logit, torch.full((4,), -math.inf))  # the next step's record starts
+
+
+# ----------------------------------------------------------------------------- value residual and x0 mix
+
+
+def test_value_residual_mixes_the_first_blocks_values_and_at_lambda_one_is_the_row():
+    first, later, ctx = layers.ValueResidual(first=True), layers.ValueResidual(first=False), {}
+    assert first.lam is None and later.lam.item() == 0.5  # ResFormer's 1/2
+    v1, v = torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    assert first(v1, ctx) is v1 and ctx["v1"] is v1
+    with torch.no_grad():
+        later.lam.fill_(0.3)
+    lam = later.lam.double()  # 0.3 in float32
+    torch.testing.assert_close(later(v, ctx), lam * v + (1 - lam) * v1, rtol=1e-15, atol=1e-15)
+
+    def lambda_one(model):
+        for block in model.blocks[1:]:
+            block.attn.sublayer.value_residual.lam.fill_(1.0)
+
+    assert torch.equal(logits_of(tiny(overrides={"value_residual": True}), lambda_one), logits_of(tiny()))
+
+
+def test_x0_mix_at_its_identity_init_is_the_row_and_mixes_x0_into_each_blocks_input():
+    config = tiny(overrides={"x0_mix": True})
+    assert torch.equal(logits_of(config), logits_of(tiny()))
+    torch.manual_seed(0)
+    model = GPT(config)
+    assert all((b.x0_mix.resid.item(), b.x0_mix.x0.item()) == (1.0, 0.0) for b in model.blocks)
+    with torch.no_grad():
+        model.blocks[2].x0_mix.resid.fill_(0.7)
+        model.blocks[2].x0_mix.x0.fill_(0.3)
+    block_in, attn_in = inputs_of([model.blocks[2], model.blocks[2].attn], lambda: model(tokens()))
+    torch.testing.assert_close(attn_in, 0.7 * block_in + 0.3 * model.embed(tokens()), rtol=1e-6, atol=1e-7)
+    # nanochat's init ramps from (1.15, 0.20) in the first block to (1.05, 0.05) in the last
+    nanochat = GPT(tiny(norm_scheme="nanochat", norm="rmsnorm"))
+    ramp = [(b.x0_mix.resid.item(), b.x0_mix.x0.item()) for b in nanochat.blocks]
+    assert ramp == [pytest.approx(p) for p in [(1.15, 0.20), (1.10, 0.125), (1.05, 0.05)]]
+
+
+# ----------------------------------------------------------------------------- hyper-connections
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+@pytest.mark.parametrize("scheme", ["pre", "peri"])
+def test_hyper_connections_with_one_stream_at_init_are_exactly_the_row(kind, scheme):
+    one = tiny(norm_scheme=scheme, overrides={"residual_streams": 1, "hyper_connections": kind})
+    assert torch.equal(logits_of(one), logits_of(tiny(norm_scheme=scheme)))
+
+
+def test_a_hyper_connection_reads_mixes_and_writes_the_streams_by_its_matrices():
+    n, d = 3, 8
+    hc = HyperConnection("dynamic", n, d, k=4, eps=1e-5).double()
+    assert torch.equal(hc.static, torch.tensor([0, 1, 0, 1, 1, 1, *torch.eye(3).flatten()], dtype=torch.float64))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every coefficient away from its init
+        for p in hc.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    H = torch.randn(2, 5, n, d, generator=g, dtype=torch.float64)
+
+    def branch(h):
+        return torch.tanh(h) * 2
+
+    # Zhu et al.'s dynamic hyper-connection, written with its matrices: A(H) = A + s tanh(norm(H) W)
+    normed = F.rms_norm(H, (d,), eps=1e-5)
+    A_m = hc.static[:n] + hc.gates[0] * torch.tanh(normed @ hc.proj[:, 0])  # (B, T, n)
+    B = hc.static[n:2 * n] + hc.gates[1] * torch.tanh(normed @ hc.proj[:, 1])
+    A_r = hc.static[2 * n:].view(n, n) + hc.gates[0] * torch.tanh(normed @ hc.proj[:, 2:])  # (B, T, n, n)
+    h0 = torch.einsum("bts,btsd->btd", A_m, H)  # A_m^T H
+    expected = torch.einsum("btsu,btsd->btud", A_r, H) + torch.einsum("bts,btd->btsd", B, branch(h0))  # A_r^T H + B^T T
+    torch.testing.assert_close(hc(H, branch), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_mhc_keeps_the_stream_mixing_matrix_doubly_stochastic_after_training_steps():
+    # 20 alternating normalizations: the rows sum to 1 to rounding, the columns to 1e-10 for logits spread as the
+    # model's (its bias I plus gated terms); a spread of several units would need more iterations
+    m = sinkhorn_knopp(0.5 * torch.randn(100, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(m.sum(-1), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(m.sum(-2), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-10)
+
+    torch.manual_seed(0)
+    model = GPT(tiny(overrides={"residual_streams": 4, "hyper_connections": "mhc"}))
+    # streams that start as equal copies barely move H_res in a few steps: start its coefficients away from their
+    # init (each matrix's logits then span up to 3.6, max - min; at 5.5, 20 iterations leave columns 2e-4 from 1)
+    with torch.no_grad():
+        for block in model.blocks:
+            for update in (block.attn, block.mlp):
+                update.hyper.bias.add_(0.2 * torch.randn(update.hyper.bias.shape))
+                update.hyper.proj.normal_(0, 0.05)
+                update.hyper.gates.fill_(0.3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for step in range(5):
+        model(tokens(seed=step), tokens(seed=step + 10))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.apply_parameter_constraints()
+    updates = [u for b in model.blocks for u in (b.attn, b.mlp)]
+    streams = inputs_of(updates, lambda: model(tokens(seed=99)))
+    for update, H in zip(updates, streams, strict=True):
+        read, mix, write = update.hyper.coefficients(H)
+        assert update.hyper.proj.abs().max() > 0.01  # trained away from its init: per-token matrices
+        assert mix.std(dim=(0, 1)).max() > 0
+        ones = torch.ones(mix.shape[:-1])
+        # rows to rounding; columns to Sinkhorn-Knopp's convergence after 20 iterations (float32)
+        torch.testing.assert_close(mix.sum(-1), ones, rtol=0, atol=1e-5)
+        torch.testing.assert_close(mix.sum(-2), ones, rtol=0, atol=1e-5)
+        assert (mix >= 0).all() and ((read > 0) & (read < 1)).all() and ((write > 0) & (write < 2)).all()
+
+
+# ----------------------------------------------------------------------------- the nanochat row
+
+
+def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
+    model = GPT(tiny(norm_scheme="nanochat", norm="rmsnorm", mlp="relu2", pos="rope", bias=False))
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == 1 + 2 * 3 + 2 * 3 + 1  # embedding, pre-norms, q and k, final
+    assert all(not list(m.parameters()) for m in norms)
+    assert not [n for n, _ in model.named_parameters() if "norm" in n]
+    assert model.lm_head.weight is not model.wte.weight  # untied
+    assert model.wte.weight.std().item() == pytest.approx(0.8, rel=0.05)  # nanochat's N(0, 0.8) and N(0, 0.001)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.001, rel=0.05)
+    bound = math.sqrt(3 / 32)
+    for block in model.blocks:
+        attn, mlp = block.attn.sublayer, block.mlp.sublayer
+        assert not attn.out_proj.weight.any() and not mlp.proj.weight.any()
+        assert attn.q_proj.weight.abs().max() <= bound and attn.q_proj.weight.abs().max() > 0.9 * bound
+        assert mlp.fc.weight.abs().max() <= 0.4 * bound and mlp.fc.weight.abs().max() > 0.36 * bound
+        assert attn.scale == pytest.approx(1.44 / math.sqrt(16))  # q and k each times 1.2 after their norm
+        assert mlp.act is layers.relu2
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 10.0)
+    assert model(tokens())[0].abs().max() <= 15.0  # the logit softcap
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(overrides={"z_loss": -1.0}), "z_loss=-1.0"),
+    (dict(overrides={"logit_softcap": 0.0}), "logit_softcap=0.0"),
+    (dict(overrides={"hyper_connections": "hc"}), "hyper_connections='hc'"),
+    (dict(overrides={"residual_streams": 2}), "needs hyper_connections"),
+    (dict(norm_scheme="post", overrides={"hyper_connections": "static"}), "replace the residual add"),
+    (dict(norm_scheme="dnt", overrides={"qk_clip": 100.0}), "q/k norm undoes"),
+    (dict(norm_scheme="ngpt", overrides={"x0_mix": True}), "on the sphere"),
+])
+def test_impossible_settings_of_the_new_columns_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPTConfig(**kwargs)
