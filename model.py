@@ -196,11 +196,12 @@ def check_config(c: GPTConfig) -> None:
 
 def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
     """The columns taken from other codebases: z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections."""
-    for key, value in (("logit_softcap", s.logit_softcap), ("attn_softcap", s.attn_softcap), ("qk_clip", s.qk_clip)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{key}={value} must be positive, or None (off)")
-    if not s.z_loss >= 0 or s.residual_streams < 1:
-        raise ValueError(f"z_loss={s.z_loss} must be >= 0 (0: off) and residual_streams={s.residual_streams} >= 1")
+    for key, bad, need in [(k, getattr(s, k) is not None and not getattr(s, k) > 0, "positive, or None (off)")
+                           for k in ("logit_softcap", "attn_softcap", "qk_clip")] + [
+            ("z_loss", not 0 <= s.z_loss < math.inf, "a finite weight >= 0 (0: off)"),
+            ("residual_streams", s.residual_streams < 1, ">= 1 (1: one stream, off)")]:
+        if bad:
+            raise ValueError(f"{key}={getattr(s, key)} must be {need}")
     hyper_on = s.hyper_connections != "none"
     if s.residual_streams > 1 and not hyper_on:
         raise ValueError(f"residual_streams={s.residual_streams} needs hyper_connections (static, dynamic or mhc)")
@@ -514,8 +515,6 @@ class GPT(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "constrain_"):
                 module.constrain_()
-
-    # ---- utilities
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without position embeddings and an untied token embedding (lookups)."""

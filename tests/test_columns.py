@@ -294,6 +294,8 @@ def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(overrides={"z_loss": -1.0}), "z_loss=-1.0"),
+    (dict(overrides={"z_loss": math.inf}), "z_loss=inf must be a finite weight"),
+    (dict(overrides={"residual_streams": 0}), "residual_streams=0 must be >= 1"),
     (dict(overrides={"logit_softcap": 0.0}), "logit_softcap=0.0"),
     (dict(overrides={"hyper_connections": "hc"}), "hyper_connections='hc'"),
     (dict(overrides={"residual_streams": 2}), "needs hyper_connections"),
