@@ -238,6 +238,14 @@ def test_mhc_keeps_the_stream_mixing_matrix_doubly_stochastic_after_training_ste
     torch.testing.assert_close(m.sum(-1), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-12)
     torch.testing.assert_close(m.sum(-2), torch.ones(100, 4, dtype=torch.float64), rtol=0, atol=1e-10)
 
+    # logits spanning ~200 (a trained H_res at rate 3e-2): exp underflows to a zero column, so normalizing exp'd
+    # entries would give 0/0; the projection and its gradient stay finite, the rows still sum to 1 (float32 rounding)
+    wide = (torch.tensor([0.0, -200.0, -200.0, -200.0]).repeat(4, 1) + 0.1 * torch.eye(4)).requires_grad_()
+    m = sinkhorn_knopp(wide)
+    m.square().sum().backward()
+    assert torch.isfinite(m).all() and torch.isfinite(wide.grad).all()
+    torch.testing.assert_close(m.sum(-1), torch.ones(4), rtol=0, atol=1e-6)
+
     torch.manual_seed(0)
     model = GPT(tiny(overrides={"residual_streams": 4, "hyper_connections": "mhc"}))
     # streams that start as equal copies barely move H_res in a few steps: start its coefficients away from their
