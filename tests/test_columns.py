@@ -240,10 +240,10 @@ def test_mhc_keeps_the_stream_mixing_matrix_doubly_stochastic_after_training_ste
 
     # logits spanning ~200 (a trained H_res at rate 3e-2): exp underflows to a zero column, so normalizing exp'd
     # entries would give 0/0; the projection and its gradient stay finite, the rows still sum to 1 (float32 rounding)
-    wide = (torch.tensor([0.0, -200.0, -200.0, -200.0]).repeat(4, 1) + 0.1 * torch.eye(4)).requires_grad_()
-    m = sinkhorn_knopp(wide)
+    spread = (torch.tensor([0.0, -200.0, -200.0, -200.0]).repeat(4, 1) + 0.1 * torch.eye(4)).requires_grad_()
+    m = sinkhorn_knopp(spread)
     m.square().sum().backward()
-    assert torch.isfinite(m).all() and torch.isfinite(wide.grad).all()
+    assert torch.isfinite(m).all() and torch.isfinite(spread.grad).all()
     torch.testing.assert_close(m.sum(-1), torch.ones(4), rtol=0, atol=1e-6)
 
     torch.manual_seed(0)
