@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -460,6 +461,19 @@ def test_select_seeds_pick_the_rate_on_their_mean_and_are_not_held_out(capsys, t
     assert sweep.main([*argv, "--lr_seeds", "2"]) == 2  # the flag it replaces: refused, pointing to it
     assert "--select_seeds" in capsys.readouterr().err
     assert sweep.main([CONFIG, "--select_seeds", "7", "--dry_run"]) == 2  # no rate to pick without --lr_grid
+
+
+def test_a_dry_run_whose_reader_has_gone_stops_quietly(tmp_path):
+    """`sweep.py --dry_run | head`: once the reader closes the pipe, the sweep exits 141 (128 + SIGPIPE, as Unix
+    tools do) with nothing on stderr, not a BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line, so the first write fails (no race with head)
+    argv = [sys.executable, "sweep.py", CONFIG, "--lr_grid", "1e-3,1e-2", "--out_root", str(tmp_path), "--dry_run"]
+    try:
+        result = subprocess.run(argv, cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_a_best_rate_that_fails_on_another_seed_is_flagged():
