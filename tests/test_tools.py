@@ -122,6 +122,21 @@ def test_sample_resolves_device_auto(data_dir, tmp_path, capsys):
     assert sample.main([f"--out_dir={run}", "--max_new_tokens=3", "--device=auto"]) == 0
     out = capsys.readouterr()
     assert out.err == "" and out.out.endswith("-" * 40 + "\n")
+    # `sample.py ... | head`: a reader that has gone ends it quietly, as it does a sweep (below)
+    assert run_with_closed_stdout(["sample.py", f"--out_dir={run}", "--max_new_tokens=3"]) == (141, "")
+
+
+def run_with_closed_stdout(argv: list[str]) -> tuple[int, str]:
+    """Run `python *argv` with stdout a pipe whose reader is already closed (the reader is gone before the first
+    line, so the first write fails: no race with a real `head`); its exit code and stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    return result.returncode, result.stderr
 
 
 def test_rerun_skips_finished_runs(sweep_root, data_dir, monkeypatch):
@@ -466,14 +481,8 @@ def test_select_seeds_pick_the_rate_on_their_mean_and_are_not_held_out(capsys, t
 def test_a_dry_run_whose_reader_has_gone_stops_quietly(tmp_path):
     """`sweep.py --dry_run | head`: once the reader closes the pipe, the sweep exits 141 (128 + SIGPIPE, as Unix
     tools do) with nothing on stderr, not a BrokenPipeError traceback."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader is gone before the first line, so the first write fails (no race with head)
-    argv = [sys.executable, "sweep.py", CONFIG, "--lr_grid", "1e-3,1e-2", "--out_root", str(tmp_path), "--dry_run"]
-    try:
-        result = subprocess.run(argv, cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
-    finally:
-        os.close(write_end)
-    assert (result.returncode, result.stderr) == (141, "")
+    argv = ["sweep.py", CONFIG, "--lr_grid", "1e-3,1e-2", "--out_root", str(tmp_path), "--dry_run"]
+    assert run_with_closed_stdout(argv) == (141, "")
 
 
 def test_a_best_rate_that_fails_on_another_seed_is_flagged():
