@@ -18,7 +18,7 @@ import torch
 import prepare_data
 from model import GPT, GPTConfig
 from run_files import foreign_checkpoint, load_checkpoint
-from train_config import ConfigError, check_device, resolve_device
+from train_config import ConfigError, check_device, exit_with, resolve_device
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -104,8 +104,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except BrokenPipeError:  # stdout closed early (`sample.py ... | head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
-        sys.exit(141)  # 128 + SIGPIPE
+    exit_with(lambda: main(sys.argv[1:]))

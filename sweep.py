@@ -92,7 +92,7 @@ from run_files import (
     write_atomically,
 )
 from runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
-from train_config import ConfigError, TrainConfig, explicit_settings
+from train_config import ConfigError, TrainConfig, exit_with, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
@@ -1508,8 +1508,4 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # stdout closed early (`sweep.py --dry_run | head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
-        sys.exit(128 + signal.SIGPIPE)
+    exit_with(main)

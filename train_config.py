@@ -89,6 +89,16 @@ class ConfigError(ValueError):
     """A config key or value the user has to fix; train.py exits with code 2."""
 
 
+def exit_with(main: Callable[[], int]) -> typing.NoReturn:
+    """sys.exit(main()) for a command line tool; a reader that closes stdout early (`sweep.py --dry_run | head`)
+    ends it quietly with 141 (128 + SIGPIPE), as Unix tools do, not with a BrokenPipeError traceback."""
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
+        sys.exit(141)
+
+
 ADAMW_SIDE = ("adamw", "muon", "manifold_muon")  # optimizers that update some parameters with AdamW's betas
 
 
