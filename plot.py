@@ -227,6 +227,7 @@ def load_lr_sweeps(roots: list[str]) -> dict:
     import sweep
 
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
+    counts = set()
     for root in roots:
         try:
             summary = sweep.read_lr_summary(root)
@@ -237,6 +238,9 @@ def load_lr_sweeps(roots: list[str]) -> dict:
         merged["setup"] = merged["setup"] or summary.get("setup")
         merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
         merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
+        counts.add((summary.get("setup") or {}).get("seeds"))
+    if merged["setup"] and len(counts - {None}) > 1:  # arms held out on different numbers of seeds: say the range
+        merged["setup"] = {**merged["setup"], "seeds": f"{min(counts - {None})}–{max(counts - {None})}"}
     return merged
 
 

@@ -308,6 +308,15 @@ def test_metrics_as_train_py_writes_them_are_read(tmp_path):
     assert plot.curves(lines, "block_rms[max]", "iter", False) == {"": ([0], [1.0])}  # a null block is no maximum
 
 
+def test_lr_sweeps_held_out_on_different_seed_counts_give_the_range(monkeypatch):
+    """The figure's setup line says how many seeds each best rate holds out; arms with 12 and 5 must not read as 12."""
+    summaries = {root: {"runs": [], "lr_points": [], "lr_key": "learning_rate", "keys": ["norm_scheme"],
+                        "setup": {"seeds": n, "n_layer": 32}} for root, n in (("a", 12), ("b", 5), ("c", 12))}
+    monkeypatch.setattr(sweep, "read_lr_summary", summaries.__getitem__)
+    assert plot.load_lr_sweeps(["a", "b", "c"])["setup"]["seeds"] == "5–12"
+    assert plot.load_lr_sweeps(["a", "c"])["setup"]["seeds"] == 12
+
+
 def test_plot_adds_png_to_an_out_without_extension_and_says_so(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
