@@ -371,6 +371,52 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     return fig
 
 
+def draw_depth(roots: list[str], heading: str | None = None):
+    """Against the depth n_layer, one line per arm: its held-out mean ± std at that depth's best rate (left) and
+    its learning-rate sensitivity on the selection seed (right), from sweep.py --lr_grid out_roots at several
+    depths (their summary.json). Sweeps from different machines belong in different figures."""
+    from matplotlib.figure import Figure
+
+    import sweep
+
+    series: dict[str, dict[int, dict]] = {}
+    for root in roots:
+        try:
+            summary = sweep.read_lr_summary(root)
+        except sweep.SweepError as e:
+            raise PlotError(str(e)) from None
+        keys = [k for k in summary["keys"] if k != "n_layer"]
+        for point in summary["lr_points"]:
+            depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))
+            if depth is None:
+                raise PlotError(f"{root}: its summary.json gives no n_layer; --depth needs sweeps at known depths")
+            label = point_label(point, keys)
+            if int(depth) in series.get(label, {}):
+                raise PlotError(f"two sweeps give {label} at n_layer {depth}: pass one folder per arm and depth")
+            series.setdefault(label, {})[int(depth)] = point
+    fig = Figure(figsize=(12, 4.8), layout="constrained")
+    loss_ax, sens_ax = fig.subplots(1, 2)
+    depths = sorted({d for by_depth in series.values() for d in by_depth})
+    for i, (label, by_depth) in enumerate(sorted(series.items())):
+        trained = [d for d in sorted(by_depth) if by_depth[d].get("val_loss_mean") is not None]
+        losses = [[x for x in by_depth[d]["seed_losses"].values() if math.isfinite(x)] for d in trained]
+        loss_ax.errorbar(trained, [by_depth[d]["val_loss_mean"] for d in trained], capsize=4, marker="o",
+                         yerr=[statistics.stdev(x) if len(x) > 1 else 0.0 for x in losses], color=f"C{i % 10}",
+                         label=literal(label))
+        sensitive = [d for d in sorted(by_depth) if by_depth[d].get("lr_sensitivity") is not None]
+        sens_ax.plot(sensitive, [by_depth[d]["lr_sensitivity"] for d in sensitive], "o-", color=f"C{i % 10}")
+    for ax, ylabel in ((loss_ax, "final val loss, held-out mean ± std at the best rate"),
+                       (sens_ax, "learning-rate sensitivity (selection seed)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set(xlabel="n_layer", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize="small")
+    if heading:
+        fig.suptitle(heading, fontsize="small")
+    return fig
+
+
 def plot_runs(out_dirs: list[str], metrics: list[str], out_path: str = "runs.png", x: str = "iter",
               logy: bool = False, smooth_n: int = 1, **options) -> str:
     """Draw the runs' metrics into an image at out_path and return its path (options: see `draw`)."""
@@ -398,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--lr_sweep the --out_root of sweep.py --lr_grid runs")
     parser.add_argument("--lr_sweep", action="store_true", help="draw final val loss against learning rate "
                         "from sweep.py --lr_grid out_roots (their summary.json)")
+    parser.add_argument("--depth", action="store_true", help="draw each arm's best held-out loss and its "
+                        "learning-rate sensitivity against n_layer from sweep.py --lr_grid out_roots at several depths")
     parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
                         help="a horizontal reference line, e.g. 'zero predictor=1.0' (repeatable)")
     parser.add_argument("--seed_means", action="store_true", help="one curve per group of runs that differ only "
@@ -461,6 +509,9 @@ def plot_from_args(args: argparse.Namespace) -> str:
             raise PlotError(f"--ref {item!r}: a reference line needs a finite value")
     if args.title is not None:
         check_title(args.title)
+    if args.depth:
+        return save(draw_depth(args.out_dirs, heading=args.title), args.out if args.out != "runs.png" else "depth.png",
+                    dpi=110)
     if args.lr_sweep:
         fig = draw_lr_sensitivity(args.out_dirs, refs, heading=args.title)
         return save(fig, args.out if args.out != "runs.png" else "lr_sensitivity.png", dpi=110)

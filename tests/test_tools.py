@@ -317,6 +317,26 @@ def test_lr_sweeps_held_out_on_different_seed_counts_give_the_range(monkeypatch)
     assert plot.load_lr_sweeps(["a", "c"])["setup"]["seeds"] == 12
 
 
+def test_depth_figure_draws_each_arms_held_out_mean_and_sensitivity_at_its_depth(monkeypatch, tmp_path):
+    def summary(depth, scheme, losses, sensitivity):
+        point = {"norm_scheme": scheme, "best_lr": "1e-2", "val_loss_mean": statistics.mean(losses),
+                 "seed_losses": dict(enumerate(losses, 1)), "lr_sensitivity": sensitivity}
+        return {"runs": [], "lr_points": [point], "lr_key": "learning_rate", "keys": ["norm_scheme"],
+                "setup": {"n_layer": depth, "seeds": len(losses)}}
+    summaries = {"pre4": summary(4, "pre", [2.0, 2.2], 0.3), "pre32": summary(32, "pre", [2.5, 2.7, 2.6], 0.2),
+                 "lns32": summary(32, "lns", [2.3, 2.3], 0.1), "lns4": summary(4, "lns", [2.4, 2.4], 0.4)}
+    monkeypatch.setattr(sweep, "read_lr_summary", summaries.__getitem__)
+    loss_ax, sens_ax = plot.draw_depth(["pre32", "lns4", "pre4", "lns32"]).axes
+    drawn = {c.get_label(): (list(c.lines[0].get_xdata()), list(c.lines[0].get_ydata()))
+             for c in loss_ax.containers}
+    assert drawn == {"lns": ([4, 32], [2.4, 2.3]), "pre": ([4, 32], [pytest.approx(2.1), pytest.approx(2.6)])}
+    assert sorted(list(line.get_ydata()) for line in sens_ax.lines) == [[0.3, 0.2], [0.4, 0.1]]
+    with pytest.raises(plot.PlotError, match="two sweeps give pre at n_layer 4"):
+        plot.draw_depth(["pre4", "pre4"])
+    summaries["nodepth"] = {**summary(4, "pre", [2.0], None), "setup": {}}
+    assert plot.main(["nodepth", "--depth", "--out", str(tmp_path / "d.png")]) == 2
+
+
 def test_plot_adds_png_to_an_out_without_extension_and_says_so(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
