@@ -509,6 +509,8 @@ def plot_from_args(args: argparse.Namespace) -> str:
             raise PlotError(f"--ref {item!r}: a reference line needs a finite value")
     if args.title is not None:
         check_title(args.title)
+    if args.depth and args.lr_sweep:
+        raise PlotError("--depth and --lr_sweep draw different figures: give one")
     if args.depth:
         return save(draw_depth(args.out_dirs, heading=args.title), args.out if args.out != "runs.png" else "depth.png",
                     dpi=110)

@@ -260,6 +260,8 @@ def test_plot_draws_a_png_labelled_by_the_differing_flags(sweep_root, diverged_r
     (["RUN", "--out", "OUT/fig.xyz"], r"fig.xyz: matplotlib writes no .xyz files; end it in .*\.png"),
     (["RUN", "--out", "RUN/metrics.jsonl/fig.png"], r"cannot write .*metrics.jsonl.*; give --out a writable path"),
     (["--lr_sweep", "RUN"], r"RUN has no summary.json; pass the --out_root of a sweep.py --lr_grid run"),
+    (["--depth", "RUN"], r"RUN has no summary.json; pass the --out_root of a sweep.py --lr_grid run"),
+    (["--depth", "--lr_sweep", "RUN"], r"--depth and --lr_sweep draw different figures: give one"),
 ])
 def test_plot_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
     run, garbled = tmp_path / "run", tmp_path / "garbled"
