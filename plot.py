@@ -222,25 +222,31 @@ def unigram_loss(data_dir: str, dataset: str) -> float | None:
     return float(-(counts[1] * np.log(p)).sum() / counts[1].sum())
 
 
-def load_lr_sweeps(roots: list[str]) -> dict:
-    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
+def read_lr_sweep(root: str) -> dict:
+    """The summary.json of one `sweep.py --lr_grid` out_root; PlotError when it is missing or unreadable."""
     import sweep
 
+    try:
+        return sweep.read_lr_summary(root)
+    except sweep.SweepError as e:
+        raise PlotError(str(e)) from None
+
+
+def load_lr_sweeps(roots: list[str]) -> dict:
+    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
     counts = set()
     for root in roots:
-        try:
-            summary = sweep.read_lr_summary(root)
-        except sweep.SweepError as e:
-            raise PlotError(str(e)) from None
+        summary = read_lr_sweep(root)
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
         merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
         merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
         counts.add((summary.get("setup") or {}).get("seeds"))
-    if merged["setup"] and len(counts - {None}) > 1:  # arms held out on different numbers of seeds: say the range
-        merged["setup"] = {**merged["setup"], "seeds": f"{min(counts - {None})}–{max(counts - {None})}"}
+    counts.discard(None)
+    if merged["setup"] and len(counts) > 1:  # arms held out on different numbers of seeds: say the range
+        merged["setup"] = {**merged["setup"], "seeds": f"{min(counts)}–{max(counts)}"}
     return merged
 
 
@@ -377,14 +383,9 @@ def draw_depth(roots: list[str], heading: str | None = None):
     depths (their summary.json). Sweeps from different machines belong in different figures."""
     from matplotlib.figure import Figure
 
-    import sweep
-
     series: dict[str, dict[int, dict]] = {}
     for root in roots:
-        try:
-            summary = sweep.read_lr_summary(root)
-        except sweep.SweepError as e:
-            raise PlotError(str(e)) from None
+        summary = read_lr_sweep(root)
         keys = [k for k in summary["keys"] if k != "n_layer"]
         for point in summary["lr_points"]:
             depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))
