@@ -393,6 +393,13 @@ def forwarding_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def say(line: str) -> None:
+    """Print one line in one write: print() writes the text and its newline separately, so a run's start line
+    from a worker thread could land between another line and its newline."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def launch(job: dict, threads: int) -> dict:
     """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions)
     and the run's resolved settings to out_dir/run.json. A sweep stopping starts no run (Interrupted)."""
@@ -400,7 +407,7 @@ def launch(job: dict, threads: int) -> dict:
     os.makedirs(job["out_dir"], exist_ok=True)
     info_path = os.path.join(job["out_dir"], "run.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    print(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""), flush=True)
+    say(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""))
     before = read_run_info(job["out_dir"]).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
     start = time.perf_counter()
     with open(os.path.join(job["out_dir"], "train.log"), "a" if job["state"] == "resume" else "w") as log:
@@ -545,8 +552,8 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
             for k, future in enumerate(as_completed(futures), 1):
                 job, info = futures[future], future.result()
                 outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
-                print(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
-                      + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""), flush=True)
+                say(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
+                    + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""))
         except KeyboardInterrupt:
             CHILDREN.stop(signal.SIGINT, forward=False)  # Ctrl-C reached the runs too; a second one stops them unsaved
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep

@@ -100,6 +100,35 @@ def test_auto_jobs_give_one_run_all_cores_unless_runs_get_fewer_threads():
     assert sweep.parallelism(2, None) == (2, max(1, cores // 2))
 
 
+class WriteCalls:
+    """A stdout that keeps every write() call apart."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_runs_at_once_print_whole_lines(tmp_path, monkeypatch):
+    """Two runs at a time: a run's start line (from a worker thread) and each outcome (from the main thread)
+    reach stdout in one write with their newline, so no line lands inside another."""
+    (tmp_path / "train.py").write_text("")  # a run that ends at once
+    monkeypatch.setattr(sweep, "TRAIN", str(tmp_path / "train.py"))
+    jobs = [{"out_dir": str(tmp_path / f"run{i}"), "state": "new", "argv": [], "point": {"seed": i}, "settings": {}}
+            for i in range(4)]
+    stdout = WriteCalls()
+    with contextlib.redirect_stdout(stdout):
+        sweep.execute(jobs, workers=2, threads=1)
+    lines = [text for text in stdout.calls if text]
+    assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines), lines
+    assert sorted(line.split()[0] for line in lines) == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"] + ["start"] * 4
+
+
 def test_sweep_summary_has_finite_losses_timing_and_exit_codes(sweep_root):
     summary = read_summary(sweep_root)
     rows = summary["runs"]
