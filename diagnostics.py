@@ -153,9 +153,9 @@ def device_peak_flops(device: str, dtype: torch.dtype = torch.float32) -> float:
         dtype = torch.float32
     n = 2048  # large enough to reach the peak (1024^2 reaches about half of it in float32 here)
     a = torch.randn(n, n, dtype=dtype)
-    a @ a  # warm-up
+    a @ a  # warm-up (a smaller one leaves the first timed product about 15% slow)
     best = float("inf")
-    for _ in range(4):  # the fastest of a few repeats: the least disturbed by other processes
+    for _ in range(3):  # the fastest of a few repeats: the least disturbed by other processes
         t0 = time.perf_counter()
         a @ a
         best = min(best, time.perf_counter() - t0)

@@ -269,7 +269,8 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     log = open_log(cfg, ddp, device, checkpoint, reevaluates=evaluates_at(cfg, iter_num))
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
-    peak = device_peak_flops(device, dtype) * ddp.world_size
+    # MFU's denominator, for rank 0's train lines: the other ranks do not log it, and on a CPU measuring takes a second
+    peak = device_peak_flops(device, dtype) * ddp.world_size if ddp.master else float("nan")
     if ddp.master:
         has_norm = any("norm" in n and not isinstance(m, torch.nn.Identity) for n, m in model.named_modules())
         norms = f" / {gptconf.norm}" if has_norm else ", no norms"
