@@ -104,14 +104,15 @@ def test_embedded_dataset_is_prepared_when_missing(tmp_path):
     assert (data / "shakespeare_char" / "meta.json").exists()
 
 
-def test_sample_script_prints_text_from_a_checkpoint(data_dir, tmp_path):
+def test_sample_script_prints_text_from_a_checkpoint(data_dir, tmp_path, capsys):
+    """sample.py's main in this process; tests/test_tools.py runs the script as a process (a closed stdout)."""
     out = str(tmp_path / "run")
     assert train.train(tiny_run_args(data_dir, out, max_iters=2)) == 0
-    result = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--max_new_tokens=40",
-                             "--start=ROMEO:"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ROMEO:") and len(result.stdout.splitlines()[0]) >= 6
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={out}", "--max_new_tokens=40", "--start=ROMEO:"]) == 0
+    result = capsys.readouterr()
+    assert result.err == ""
+    assert result.out.startswith("ROMEO:") and len(result.out.splitlines()[0]) >= 6
 
 
 def run_torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
