@@ -400,9 +400,21 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def code_version(where: str = os.path.dirname(TRAIN)) -> str | None:
+    """The commit of the checkout at `where`, with "+dirty" when tracked files differ from it: run.json records it
+    so that a result can be traced to the code that made it. None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def launch(job: dict, threads: int) -> dict:
-    """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions)
-    and the run's resolved settings to out_dir/run.json. A sweep stopping starts no run (Interrupted)."""
+    """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions),
+    the run's resolved settings and the code's commit to out_dir/run.json. A sweep stopping starts no run
+    (Interrupted)."""
     CHILDREN.check_running()
     os.makedirs(job["out_dir"], exist_ok=True)
     info_path = os.path.join(job["out_dir"], "run.json")
@@ -415,7 +427,8 @@ def launch(job: dict, threads: int) -> dict:
                                  env=env)
         code = CHILDREN.wait(process)
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
-            "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"]}
+            "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"],
+            "commit": code_version()}  # the commit of the launch that finished it, when a run resumed
     write_atomically(info_path, json.dumps(info, indent=1).encode())
     return info
 

@@ -677,3 +677,19 @@ def test_a_rate_that_follows_the_swept_one_is_passed_exactly(tmp_path, capsys):
 def test_an_lr_grid_of_a_rate_that_is_not_positive_or_given_twice_is_refused(tmp_path, capsys, rates):
     assert sweep.main([CONFIG, f"--lr_grid={rates}", "--out_root", str(tmp_path), "--dry_run"]) == 2
     one_line_error(capsys, "--lr_grid")
+
+
+def test_run_json_records_the_commit_of_the_code_that_ran(tmp_path, monkeypatch):
+    """A result names the code that made it: launch writes the checkout's commit into run.json (a stub stands in
+    for train.py, so only the bookkeeping runs); outside a git checkout there is none to name."""
+    head = sweep.code_version()
+    if head is None:
+        pytest.skip("not a git checkout")
+    stub = tmp_path / "stub.py"
+    stub.write_text("")
+    monkeypatch.setattr(sweep, "TRAIN", str(stub))
+    job = {"out_dir": str(tmp_path / "run"), "argv": [], "point": {}, "state": "new", "settings": {}}
+    sweep.launch(job, 1)
+    recorded = json.loads((tmp_path / "run" / "run.json").read_text())["commit"]
+    assert recorded == head and len(recorded.removesuffix("+dirty")) == 40
+    assert sweep.code_version(str(tmp_path)) is None
