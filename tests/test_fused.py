@@ -148,7 +148,9 @@ def test_node_passes_gradcheck(case):
     assert torch.autograd.gradcheck(node, given)
 
 
-@pytest.mark.parametrize("case", CASES)
+# "identity" puts saturated tokens exactly on the clamp's kink (theta' = c at a = 1, b = 0), where the node and
+# autograd may pick different subgradients; the other step cases lie on either side of it
+@pytest.mark.parametrize("case", [case for case in CASES if not case.startswith("geodesic_step-identity")])
 def test_node_gradients_equal_autograd_through_its_formula(case):
     fast, plain, inputs = CASES[case]
     args = inputs()
