@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 import optim
-from diagnostics import device_peak_flops
-from guards import reuse_freed_memory
 from model import ELEMENTWISE_NORMS, GPT, SCHEMES, GPTConfig
-from train_config import ConfigError, check_device
+from nanonorm.diagnostics import device_peak_flops
+from nanonorm.guards import reuse_freed_memory
+from nanonorm.train_config import ConfigError, check_device
 
 SHAPES = {  # n_layer, n_head, n_embd, block_size, batch_size, vocab_size
     "cpu": (4, 4, 256, 256, 8, 96),  # a CPU reference shape: nanoGPT's 4-layer char model, wider (char vocabulary)
@@ -184,8 +184,7 @@ def profile_ops(cases: dict[str, Callable[[], None]], device: str, steps: int) -
     """Milliseconds per step of each op, per case: the median over `steps` steps, each under torch.profiler,
     interleaved across the cases as `time_interleaved` does (a slow patch of the machine would otherwise
     land on whichever case was profiled then). An op's time is its self time: an aten op's own kernels
-    (on the GPU when there is one), a fused autograd node's (one of fused.py's, or its backward) Python
-    time between the ops it calls. The profiler adds a little time to every op it records, so a case
+    (on the GPU when there is one). The profiler adds a little time to every op it records, so a case
     made of many small ops looks slower under it than it is: take ratios from the timing table and
     the profile for where the time goes."""
     cuda = device.startswith("cuda")

@@ -1,19 +1,23 @@
 """
-One GPT that holds every normalization scheme as a row of `SCHEMES`. Reading order: the table, the config, the
-factories, attention, MLP, the residual update, the block, the GPT; the primitives' math is in layers.py and
-nGPT's unit-norm modules in ngpt.py. Every block performs the same four steps for its attention and its MLP:
+One GPT that holds every normalization scheme as a row of `SCHEMES`, in nanoGPT's reading order: the table and
+the config; the norm types; the residual rules; attention and the MLP; nGPT's hypersphere modules; the block;
+the GPT. Every block performs the same four steps for its attention and its MLP:
 
     y = branch_scale * f(N_pre(x))      # sub-layer on an optionally normalized (LNS: and scaled) input
     y = N_mid(y)                        # optional norm of the sub-layer output
     x = combine(x, y)                   # residual rule: add, scaled add, geodesic step, ReZero gate, nlerp
     x = N_post(x)                       # optional norm after the residual (Post-Norm, DeepNorm)
 
-A new scheme is one row; the papers and the reference code each row was compared with: docs/schemes.md.
+Each primitive is the plain PyTorch of its equation; `torch.compile` fuses them. A new scheme is one row; the
+columns taken from other codebases (z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections) are in
+nanonorm/columns.py. The papers' readings and the reference code each row was compared with: docs/schemes.md.
+`python model.py` prints the table.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -21,20 +25,19 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import hyper
-import layers
-from ngpt import NormalizedLerp, SphereAttention, SphereEmbedding, SphereHead, SphereMLP
+from nanonorm import columns
 
 
 class Scheme(NamedTuple):
-    """One residual scheme: where it normalizes, how it adds each update, how it starts. Every column can be
+    """A row: where a model normalizes, how each residual update is added, how it starts, and the stabilizers some
+    recipes come with (z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections). Every column can be
     overridden by a config key of the same name (`--norms=pre+qk+final`, `--combine=rezero`)."""
 
-    norms: str  # where it normalizes, +-joined: input pre pre_attn pre_mlp qk qk_all qkv mid post post_attn final
-    combine: str = "add"  # residual rule: add, pre_alt, deepnorm, convex, geodesic, rezero, rezero_block, nlerp (nGPT)
+    norms: str  # where it normalizes, +-joined places of NORM_PLACES, or "none"
+    combine: str = "add"  # residual rule, a key of COMBINE_RULES; "nlerp" is nGPT's, on its hypersphere modules
     attn_scale: str = "1/sqrt(d)"  # logit scale: 1/sqrt(d), 1/d (Lipschitz), sqrt(d) (nGPT), 1.44/sqrt(d) (nanochat)
     branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
-    init: str = "gpt2"  # hidden matrices' init: gpt2, xavier, deepnorm, orthogonal, normal, zero_out, nanochat
+    init: str = "gpt2"  # hidden matrices' init, a key of INITS
     pre_norm_scale: str = "1"  # multiplies each pre-norm output: "1", or "1/sqrt(l)" in block l = 1..L (LNS)
     first_blocks: str = "same"  # "post": the first quarter of the blocks Post-Norm (Mix-LN); "pre": block 0 Pre-Norm
     norm_affine: bool = True  # False: no norm has a learnable parameter (modded-nanogpt's parameter-free RMSNorm)
@@ -86,7 +89,7 @@ SCHEMES: dict[str, Scheme] = {
 
 # Row notes; the reference files and lines, and the reason for each choice: docs/schemes.md.
 # none: Bir et al. §5.1's norm-free baseline: orthogonal init (N(0, 0.02) would be tamer), no scalings, plain add.
-# peri: Peri-LN, x + N(f(N(x))) with the embedding and the output normalized (no code released: the paper's).
+# peri: Peri-LN, x + N(f(N(x))) with the embedding and the output normalized.
 # olmo2: x + N(f(x)), q/k normed over all heads, N(0, 0.02); OLMo-core unties the head, does not decay embeddings.
 # mixln: keeps pre's 1/sqrt(2L) output init; LayerNorm-Scaling's post_pre: N(0, 0.02) (_init_weights), RMSNorm.
 # lns: the intended formula; the released modeling_llama.py lowercases NORM_TYPE (l. 265), then tests =='LNS' (l. 427).
@@ -97,17 +100,9 @@ SCHEMES: dict[str, Scheme] = {
 # nanochat: gpt.py's block (norm=rmsnorm, mlp=relu2, pos=rope); not its value embeddings, smear, backout, windows.
 # norm=dyt/derf, at every place but q/k/v: beta only with bias=True; DyT's LLaMA code decays all; Derf's alpha is 1.
 
-NORM_TYPES = ("layernorm", "rmsnorm", "headwise", "dyt", "derf")
 ELEMENTWISE_NORMS = ("dyt", "derf")  # norm replacements without statistics (not scale invariant)
 MIXLN_FRACTION = 0.25  # Mix-LN's alpha: the first floor(alpha * L) blocks are Post-Norm (the paper's value)
 NGPT_ALPHA_INIT = 0.05  # nGPT's eigen learning rates alpha_A, alpha_M start here (the paper and its code)
-CHOICES = {"norm": NORM_TYPES, "mlp": ("gelu", "swiglu", "relu2"), "pos": ("learned", "rope"),  # text keys' values
-           "combine": ("add", "pre_alt", "deepnorm", "convex", "geodesic", "rezero", "rezero_block", "nlerp"),
-           "attn_scale": ("1/sqrt(d)", "1/d", "sqrt(d)", "1.44/sqrt(d)"), "pre_norm_scale": ("1", "1/sqrt(l)"),
-           "init": ("gpt2", "xavier", "deepnorm", "orthogonal", "normal", "zero_out", "nanochat"),
-           "hyper_connections": ("none", *hyper.KINDS),
-           "first_blocks": ("same", "post", "pre"), "geonorm_decay": ("harmonic", "sqrt", "linear", "none"),
-           "geonorm_radius": ("embedding", "sqrt_d")}
 
 
 @dataclass
@@ -119,7 +114,7 @@ class GPTConfig:
     dropout: float = 0.0  # dropout on the embedding, the attention weights and each sub-layer's output
     bias: bool = True  # biases in the linear maps and norms, like GPT-2
     norm_scheme: str = "pre"  # the residual scheme: a row of SCHEMES; its columns are keys too (--norms=...)
-    norm: str = "layernorm"  # the norm at every place the scheme normalizes: layernorm, rmsnorm, headwise, dyt, derf
+    norm: str = "layernorm"  # the norm type at every place the scheme normalizes: a key of NORM_TYPES
     norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
     norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
     embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
@@ -129,7 +124,7 @@ class GPTConfig:
     gain_cap: float | None = None  # Lipschitz block: a learned diagonal gain on each linear map, clamped to [1e-3, cap]
     geonorm_decay: str = "harmonic"  # GeoNorm's step-size decay over the blocks: harmonic, sqrt, linear, none
     geonorm_clamp: float = math.pi / 4  # GeoNorm (eq. 5): the largest angle theta' one update may turn
-    geonorm_radius: str = "embedding"  # GeoNorm's sphere: each token's embedding norm, or "sqrt_d" (see GeodesicStep)
+    geonorm_radius: str = "embedding"  # GeoNorm's sphere: each token's embedding norm, or "sqrt_d" (docs/schemes.md)
     overrides: dict = field(default_factory=dict)  # the scheme columns this config sets (the keys named like them)
     # set by the task, not by a config
     vocab_size: int = 50304  # the dataset's vocabulary (GPT-2's 50257 padded up to a multiple of 64 for speed)
@@ -155,16 +150,25 @@ class GPTConfig:
         return self.scheme.combine == "nlerp"
 
 
+def choices() -> dict[str, tuple]:
+    """The valid values of each text key: the registries' names, and the rows of SCHEMES (appended ones too)."""
+    return {"norm_scheme": tuple(SCHEMES), "norm": tuple(NORM_TYPES), "combine": tuple(COMBINE_RULES),
+            "init": tuple(INITS), "mlp": ("gelu", "swiglu", "relu2"), "pos": ("learned", "rope"),
+            "attn_scale": tuple(ATTN_SCALES), "pre_norm_scale": ("1", "1/sqrt(l)"),
+            "hyper_connections": ("none", *columns.KINDS), "first_blocks": ("same", "post", "pre"),
+            "geonorm_decay": ("harmonic", "sqrt", "linear", "none"), "geonorm_radius": ("embedding", "sqrt_d")}
+
+
 def check_config(c: GPTConfig) -> None:
     """Reject impossible settings with a message that names the key and the valid values."""
     unknown = set(c.overrides) - set(Scheme._fields)
     if unknown:
         raise ValueError(f"unknown scheme column(s) {', '.join(sorted(unknown))}; columns: {', '.join(Scheme._fields)}")
-    choices = {**CHOICES, "norm_scheme": tuple(SCHEMES)}  # rows appended after this module's table count too
-    values = {**{k: getattr(c, k) for k in choices if hasattr(c, k)}, **c.overrides}
+    valid = choices()
+    values = {**{k: getattr(c, k) for k in valid if hasattr(c, k)}, **c.overrides}
     for key, value in values.items():
-        if key in choices and value not in choices[key]:
-            raise ValueError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices[key])}")
+        if key in valid and value not in valid[key]:
+            raise ValueError(f"{key}={value!r} is not valid; choose one of: {', '.join(valid[key])}")
     places = c.scheme.norms.split("+")
     if c.scheme.norms != "none" and not set(places) <= set(NORM_PLACES):
         raise ValueError(f"norms={c.scheme.norms!r} is not valid: give places from {', '.join(NORM_PLACES)} "
@@ -215,7 +219,97 @@ def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
                          "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix")
 
 
-# ----------------------------------------------------------------------------- norms
+# ----------------------------------------------------------------------------- norm types
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019, eq. 4) over the last dim: x / sqrt(mean(x^2) + eps) * weight; None: no
+    gain. The mean is taken in float32 at least (a bf16 x under autocast); the output has x's dtype."""
+    mean_square = x.to(torch.promote_types(x.dtype, torch.float32)).square().mean(-1, keepdim=True)
+    out = x * torch.rsqrt(mean_square + eps).to(x.dtype)
+    return out if weight is None else out * weight.to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (same parameters and state dict), computed by `rms_norm`; over several trailing dims
+    (OLMo 2's q/k norm over all heads) the same math on their flattening."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        dims = len(self.normalized_shape)
+        if dims == 1:
+            return rms_norm(x, self.weight, eps)
+        weight = None if self.weight is None else self.weight.flatten()
+        return rms_norm(x.flatten(-dims), weight, eps).view(x.shape)
+
+
+class HeadwiseRMSNorm(nn.Module):
+    """The anisotropic, head-aligned LayerNorm of the geometric account of LN/MHA/FFN, as we read it (it gives no
+    code): RMS-normalize each of the n_head contiguous groups of channels on its own, then one gain per channel."""
+
+    def __init__(self, dim: int, n_head: int, eps: float = 1e-5):
+        super().__init__()
+        self.n_head, self.eps = n_head, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = x.unflatten(-1, (self.n_head, -1))
+        return rms_norm(groups, self.weight.view(self.n_head, -1), self.eps).flatten(-2)
+
+
+class DynamicTanh(nn.Module):
+    """DyT (Zhu et al., 2025, eq. 1) in place of a norm: gamma * tanh(alpha * x) + beta, elementwise, alpha one
+    learnable scalar, gamma and beta one per channel; beta exists when `bias` is set (the DyT LLaMA code has none)."""
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(alpha_init))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.weight * self.squash(x)
+        return out if self.bias is None else out + self.bias
+
+
+class DynamicErf(DynamicTanh):
+    """Derf (Chen et al., 2025): gamma * erf(alpha * x + s) + beta; DyT's parameters and a learnable shift s (init 0)
+    """
+
+    def __init__(self, dim: int, alpha_init: float, bias: bool):
+        super().__init__(dim, alpha_init, bias)
+        self.shift = nn.Parameter(torch.tensor(0.0))
+
+    def squash(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.erf(self.alpha * x + self.shift)
+
+
+# One registry of norm types: name -> (dim, n_head, eps, bias, alpha_init) -> module
+NORM_TYPES: dict[str, Callable[..., nn.Module]] = {
+    "layernorm": lambda dim, n_head, eps, bias, alpha: nn.LayerNorm(dim, eps=eps, bias=bias),
+    "rmsnorm": lambda dim, n_head, eps, bias, alpha: RMSNorm(dim, eps=eps),
+    "headwise": lambda dim, n_head, eps, bias, alpha: HeadwiseRMSNorm(dim, n_head, eps=eps),
+    "dyt": lambda dim, n_head, eps, bias, alpha: DynamicTanh(dim, alpha, bias),
+    "derf": lambda dim, n_head, eps, bias, alpha: DynamicErf(dim, alpha, bias),
+}
+
+
+def make_norm(kind: str, dim: int, n_head: int, eps: float, bias: bool, alpha_init: float) -> nn.Module:
+    """The norm of type `kind` over `dim` channels; alpha_init: DyT's and Derf's alpha."""
+    if kind not in NORM_TYPES:
+        raise ValueError(f"norm={kind!r} is not a norm type; choose one of: {', '.join(NORM_TYPES)}")
+    return NORM_TYPES[kind](dim, n_head, eps, bias, alpha_init)
+
+
+def without_parameters(norm: nn.Module) -> nn.Module:
+    """The same norm with each of its parameters turned into a constant at its initial value (gain 1, bias 0)."""
+    for name, p in list(norm.named_parameters(recurse=False)):
+        delattr(norm, name)
+        norm.register_buffer(name, p.detach(), persistent=False)
+    return norm
 
 
 def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None) -> nn.Module:
@@ -223,8 +317,8 @@ def maybe_norm(config: GPTConfig, wanted: bool, alpha_init: float | None = None)
     if not wanted:
         return nn.Identity()
     alpha = norm_alpha_init(config, "mlp") if alpha_init is None else alpha_init
-    norm = layers.make_norm(config.norm, config.n_embd, config.n_head, config.norm_eps, config.bias, alpha)
-    return norm if config.scheme.norm_affine else layers.without_parameters(norm)
+    norm = make_norm(config.norm, config.n_embd, config.n_head, config.norm_eps, config.bias, alpha)
+    return norm if config.scheme.norm_affine else without_parameters(norm)
 
 
 def norm_alpha_init(config: GPTConfig, place: str) -> float:
@@ -234,30 +328,6 @@ def norm_alpha_init(config: GPTConfig, place: str) -> float:
     return config.norm_alpha_init
 
 
-# ----------------------------------------------------------------------------- combine rules
-
-
-def make_combine(config: GPTConfig, j: int, layer: int) -> nn.Module:
-    rule = config.scheme.combine
-    if rule == "geodesic":
-        decay = layers.geonorm_decay(config.geonorm_decay, layer, config.n_layer)
-        return layers.GeodesicStep(decay, config.geonorm_clamp)
-    if rule in ("rezero", "rezero_block"):
-        return layers.ReZeroAdd()
-    if rule == "nlerp":  # nGPT §2.6: alpha_init 0.05, alpha_scale 1/sqrt(d)
-        return NormalizedLerp(config.n_embd, NGPT_ALPHA_INIT, config.n_embd**-0.5)
-    return layers.ScaledAdd(*layers.combine_coefficients(rule, j, config.n_layer))
-
-
-# ----------------------------------------------------------------------------- sub-layers
-
-
-def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:
-    if config.gain_cap is not None:
-        return layers.GainLinear(d_in, d_out, config.bias, config.gain_cap)
-    return nn.Linear(d_in, d_out, bias=config.bias)
-
-
 def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
     """RMSNorm of (B, T, heads, head_dim) queries, keys or values: each head on its own (DNT eq. 10), or
     the heads together with one gain per channel ("qk_all", OLMo 2's norm of the whole projection)."""
@@ -265,8 +335,266 @@ def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
     shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
-    norm = layers.RMSNorm(shape, eps=config.norm_eps)
-    return norm if scheme.norm_affine else layers.without_parameters(norm)
+    norm = RMSNorm(shape, eps=config.norm_eps)
+    return norm if scheme.norm_affine else without_parameters(norm)
+
+
+# ----------------------------------------------------------------------------- residual rules
+
+
+class ScaledAdd(nn.Module):
+    """x <- alpha * x + beta * y with constants fixed at construction."""
+
+    def __init__(self, alpha: float, beta: float):
+        super().__init__()
+        self.alpha, self.beta = alpha, beta
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.alpha == 1.0 and self.beta == 1.0:
+            return x + y
+        return torch.add(x * self.alpha, y, alpha=self.beta)  # two passes over the stream, not three
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
+
+
+def combine_coefficients(rule: str, j: int, n_layer: int) -> tuple[float, float]:
+    """(alpha, beta) of the residual update x <- alpha * x + beta * y for residual update j in 1..2L (attention of
+    block l is 2l+1, its MLP 2l+2)."""
+    if rule == "add":
+        return 1.0, 1.0
+    if rule == "pre_alt":  # GeoNorm App. B eq. 13: x_j / sqrt(j+1) of the Pre-Norm stream
+        return math.sqrt(j / (j + 1)), 1.0 / math.sqrt(j + 1)
+    if rule == "deepnorm":  # DeepNet: alpha = (2L)^(1/4) for a decoder-only model
+        return (2 * n_layer) ** 0.25, 1.0
+    if rule == "convex":  # Bir et al. §4.3: x <- (L-1)/L x + block(x)/L
+        return (n_layer - 1) / n_layer, 1.0 / n_layer
+    raise ValueError(f"combine={rule!r} has no linear coefficients")
+
+
+class ScalarGain(nn.Module):
+    """x -> g * x, g one learnable scalar: ReZero's residual gate (init 0), DyT's embedding scale (init sqrt(d))."""
+
+    def __init__(self, init: float):
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gain * x
+
+
+class ReZeroAdd(nn.Module):
+    """ReZero (Bachlechner et al., eq. 1): x <- x + alpha * y, alpha learnable and 0 at init. `combine="rezero"`
+    gives each residual update its own alpha; "rezero_block" shares one per block, as the released rztx.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = ScalarGain(0.0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha(y)
+
+
+def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
+    """Step-size decay of GeoNorm §3.2 for 0-based block index `layer`."""
+    if schedule == "harmonic":
+        return 1.0 / (layer + 1)
+    if schedule == "sqrt":
+        return 1.0 / math.sqrt(layer + 1)
+    if schedule == "linear":
+        return (n_layer - layer) / n_layer
+    return 1.0
+
+
+def geodesic_angle(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float,
+                   clamp: float, lowest: float = -math.inf) -> tuple[torch.Tensor, ...]:
+    """The applied angle theta' of `geodesic_step`, the radius ||x||, the tangent v and ||v|| (per token), in
+    the wider dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast)."""
+    x = x.to(torch.promote_types(x.dtype, s.dtype))
+    radius = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-6)
+    v = s - (x * s).sum(-1, keepdim=True) / radius**2 * x  # eq. 4: s less its component along x
+    v_norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-8)
+    theta = (v_norm / radius).clamp_max(clamp)  # eq. 3's angle ||v|| / ||x||, clamped (App. D)
+    theta = ((a * theta + b) * decay).clamp(lowest, clamp)  # learned a, b and the depth decay (§3.2, App. D)
+    return theta, radius, v, v_norm
+
+
+def geodesic_step(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float,
+                  clamp: float, lowest: float = -math.inf) -> torch.Tensor:
+    """GeoNorm eq. 5: x moved along the sphere of radius ||x|| toward s, by the angle of `geodesic_angle`."""
+    theta, radius, v, v_norm = geodesic_angle(x, s, a, b, decay, clamp, lowest)
+    x = x.to(v.dtype)
+    return torch.cos(theta) * x + radius * torch.sin(theta) * v / v_norm  # eq. 3: exp_x(v), ||out|| = ||x||
+
+
+class GeodesicStep(nn.Module):
+    """GeoNorm's residual update (eq. 5): move x along the sphere of radius ||x|| toward the sub-layer output s,
+    by an angle that is clamped and decays with depth:
+
+        v      = s - (<x,s> / ||x||^2) x              tangent component of s at x
+        theta  = min(||v|| / ||x||, c)
+        theta' = min((a * theta + b) * decay(l), c)           a, b learnable (init 1, 0)
+        x_new  = cos(theta') x + ||x|| sin(theta') v / ||v||  so ||x_new|| = ||x||
+
+    The paper clamps theta' from above only (App. D), the default `sides="upper"`; `sides="both"` (an option of
+    this project) clamps to [-c, c]. Where the sphere lies (`geonorm_radius`) and the App. D listing's bugs, which
+    this does not copy: docs/schemes.md. `affine=False` fixes a, b at 1, 0 (what the listing computes)."""
+
+    def __init__(self, decay: float, clamp: float, affine: bool = True, sides: str = "upper"):
+        super().__init__()
+        self.decay, self.clamp, self.sides = decay, clamp, sides
+        self.lowest = -clamp if sides == "both" else -math.inf
+        if affine:
+            self.a = nn.Parameter(torch.tensor(1.0))
+            self.b = nn.Parameter(torch.tensor(0.0))
+        else:  # fixed at the identity map theta' = theta * decay
+            self.register_buffer("a", torch.tensor(1.0))
+            self.register_buffer("b", torch.tensor(0.0))
+
+    def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
+        return geodesic_angle(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return geodesic_step(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
+
+    def extra_repr(self) -> str:
+        return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}, sides={self.sides}"
+
+
+# One registry of residual rules: name -> (config, j, layer) -> module; j in 1..2L counts residual updates
+COMBINE_RULES: dict[str, Callable[[GPTConfig, int, int], nn.Module]] = {
+    **{rule: (lambda c, j, layer, rule=rule: ScaledAdd(*combine_coefficients(rule, j, c.n_layer)))
+       for rule in ("add", "pre_alt", "deepnorm", "convex")},
+    "geodesic": lambda c, j, layer: GeodesicStep(geonorm_decay(c.geonorm_decay, layer, c.n_layer), c.geonorm_clamp),
+    "rezero": lambda c, j, layer: ReZeroAdd(),
+    "rezero_block": lambda c, j, layer: ReZeroAdd(),  # the block shares its attention's alpha with its MLP
+    "nlerp": lambda c, j, layer: NormalizedLerp(c.n_embd, NGPT_ALPHA_INIT, c.n_embd**-0.5),  # nGPT §2.6
+}
+
+
+# ----------------------------------------------------------------------------- inits, linear maps, positions
+
+
+def init_gpt2(weight: torch.Tensor, name: str, n_layer: int) -> None:
+    """GPT-2: N(0, 0.02) (drawn already), the residual projections scaled by 1/sqrt(2L) (two updates per block)."""
+    if name.endswith(("out_proj", "mlp.sublayer.proj")):
+        nn.init.normal_(weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+
+def init_deepnorm(weight: torch.Tensor, name: str, n_layer: int) -> None:
+    """DeepNet (decoder-only): Xavier with gain beta = (8L)^(-1/4) on v, out and the MLP; q, k gain 1."""
+    beta = 1.0 if name.endswith(("q_proj", "k_proj")) else (8 * n_layer) ** -0.25
+    nn.init.xavier_normal_(weight, gain=beta)
+
+
+def init_zero_out(weight: torch.Tensor, name: str, n_layer: int) -> None:
+    """modded-nanogpt: the residual projections start at zero, so every update starts as the identity."""
+    if name.endswith(("out_proj", "mlp.sublayer.proj")):
+        nn.init.zeros_(weight)
+
+
+def init_nanochat(weight: torch.Tensor, name: str, n_layer: int) -> None:
+    """nanochat gpt.py init_weights: zero residual projections; U(+-sqrt(3/d)) else, the MLP's input map 0.4x."""
+    if name.endswith(("out_proj", "mlp.sublayer.proj")):
+        return nn.init.zeros_(weight)
+    bound = math.sqrt(3 / weight.shape[1]) * (0.4 if name.endswith("mlp.sublayer.fc") else 1.0)
+    nn.init.uniform_(weight, -bound, bound)
+
+
+# One registry of inits: name -> (weight, its path in the block, L) -> None, over the GPT-2 default N(0, 0.02)
+INITS: dict[str, Callable[[torch.Tensor, str, int], None]] = {
+    "gpt2": init_gpt2,
+    "xavier": lambda weight, name, n_layer: nn.init.xavier_normal_(weight),  # DNT
+    "deepnorm": init_deepnorm,
+    "orthogonal": lambda weight, name, n_layer: nn.init.orthogonal_(weight),  # Bir et al. §4.3
+    "normal": lambda weight, name, n_layer: None,  # N(0, 0.02) everywhere (OLMo 2, LNS)
+    "zero_out": init_zero_out,
+    "nanochat": init_nanochat,
+}
+
+
+class GainLinear(nn.Linear):
+    """A linear map followed by a learnable diagonal gain kept in [1e-3, cap] (Bir et al. §6.2). `constrain_`
+    clamps the gain in place after every optimizer step, as their code clamps the parameter itself: a clamp inside
+    forward would give a gain above the cap zero gradient, and it would stay there."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, cap: float):
+        super().__init__(in_features, out_features, bias=bias)
+        self.cap = cap
+        self.gain = nn.Parameter(torch.full((out_features,), min(1.0, cap)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        self.gain.clamp_(1e-3, self.cap)
+
+
+def make_linear(config: GPTConfig, d_in: int, d_out: int) -> nn.Linear:
+    if config.gain_cap is not None:
+        return GainLinear(d_in, d_out, config.bias, config.gain_cap)
+    return nn.Linear(d_in, d_out, bias=config.bias)
+
+
+# The factor on q.k: standard, Bir et al. §4.3, nGPT §2.3.2 (unit q and k: dot products of variance 1/d_h), and
+# nanochat (its normed q and k each times 1.2)
+ATTN_SCALES = {"1/sqrt(d)": lambda d_h: 1.0 / math.sqrt(d_h), "1/d": lambda d_h: 1.0 / d_h,
+               "sqrt(d)": lambda d_h: math.sqrt(d_h), "1.44/sqrt(d)": lambda d_h: 1.2**2 / math.sqrt(d_h)}
+
+
+def softmax_scale(attn_scale: str, head_dim: int) -> float:
+    return ATTN_SCALES[attn_scale](head_dim)
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angle t * base^(-2i/d_h) of position t and channel pair i (RoFormer eq. 15)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def register_rope(module: nn.Module, head_dim: int, length: int, base: float) -> None:
+    """Give an attention module the RoPE tables for `length` positions as buffers `rope_cos`, `rope_sin`."""
+    cos, sin = rope_tables(head_dim, length, base)
+    module.register_buffer("rope_cos", cos, persistent=False)
+    module.register_buffer("rope_sin", sin, persistent=False)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position (RoFormer eq. 34)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+# ----------------------------------------------------------------------------- attention and MLP
+
+
+class Attention(nn.Module):
+    """Causal softmax attention of (B, heads, T, head_dim) q, k, v: torch's fused kernel, or, where the scores
+    themselves are needed (Gemma 2's attention softcap, QK-Clip's record), the same math written out:
+    softmax(mask(cap(q k^T scale))) v with the softmax in float32 (as litgpt's softcapped path)."""
+
+    def __init__(self, scale: float, dropout: float, cap: float | None = None, clip: columns.QKClip | None = None):
+        super().__init__()
+        self.scale, self.dropout, self.cap, self.clip = scale, dropout, cap, clip
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.cap is None and self.clip is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        T = scores.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+        if self.clip is not None and self.training:
+            self.clip.record(scores, causal)
+        if self.cap is not None:
+            scores = columns.softcap(scores, self.cap)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        weights = F.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(v.dtype)
+        return F.dropout(weights, dropout) @ v
 
 
 class CausalSelfAttention(nn.Module):
@@ -277,36 +605,26 @@ class CausalSelfAttention(nn.Module):
         # separate q/k/v maps: each is its own matrix for the inits and Muon-style optimizers
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (make_linear(config, d, d) for _ in range(4))
         scheme = config.scheme
-        qk_norm = scheme.normalizes("qk", "qk_all", "qkv")
-        self.q_norm, self.k_norm = (make_qkv_norm(config, qk_norm) for _ in range(2))
+        self.q_norm, self.k_norm = (make_qkv_norm(config, scheme.normalizes("qk", "qk_all", "qkv")) for _ in range(2))
         self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
-        self.scale = layers.softmax_scale(scheme.attn_scale, self.head_dim)
-        clip = None if scheme.qk_clip is None else layers.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
-        self.attend = layers.Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
-        self.value_residual = layers.ValueResidual(layer == 0) if scheme.value_residual else None
+        self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
+        clip = None if scheme.qk_clip is None else columns.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
+        self.attend = Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
+        self.value_residual = columns.ValueResidual(layer == 0) if scheme.value_residual else None
         self.rope = config.pos == "rope"
         if self.rope:
-            layers.register_rope(self, self.head_dim, config.block_size, 10000.0)
-        # <q g_q, k g_k> = <q (g_q g_k), k>: with nothing between the norms and the dot product, the keys'
-        # gain rides on the queries and the keys' norm skips its multiply (a RoPE rotation would not commute)
-        self.gains_on_queries = qk_norm and not self.rope
+            register_rope(self, self.head_dim, config.block_size, 10000.0)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated);
-        with `gains_on_queries` the queries carry the keys' gain too, which leaves every logit unchanged."""
+        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them (normed, rotated)."""
         B, T, C = x.shape
         heads = (B, T, self.n_head, self.head_dim)
-        q, k = self.q_proj(x).view(heads), self.k_proj(x).view(heads)
-        if self.gains_on_queries:
-            q = self.q_norm.normalize(q, self.q_norm.weight * self.k_norm.weight)
-            k = self.k_norm.normalize(k, None)
-        else:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(heads)).transpose(1, 2)  # DNT eq. 10: each head's q, k normalized
+        k = self.k_norm(self.k_proj(x).view(heads)).transpose(1, 2)
         v = self.v_norm(self.v_proj(x).view(heads)).transpose(1, 2)
         if self.rope:
-            q = layers.apply_rope(q, self.rope_cos, self.rope_sin)
-            k = layers.apply_rope(k, self.rope_cos, self.rope_sin)
+            q = apply_rope(q, self.rope_cos, self.rope_sin)
+            k = apply_rope(k, self.rope_cos, self.rope_sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
@@ -317,13 +635,29 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, the MLP nonlinearity of modded-nanogpt and nanochat (So et al., Primer, 2021)."""
+    return F.relu(x).square()
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu2": relu2}  # the one-matrix MLPs' nonlinearity by `mlp` (swiglu has two)
+
+
+def mlp_width(n_embd: int, mlp: str, mlp_hidden: int | None = None) -> int:
+    """The MLP's hidden width: `mlp_hidden` if given, else 4d for GELU and, for SwiGLU, 2/3 of 4d rounded up to
+    a multiple of 64 (the same parameter count)."""
+    if mlp_hidden is not None:
+        return mlp_hidden
+    return 64 * math.ceil(8 * n_embd / 3 / 64) if mlp == "swiglu" else 4 * n_embd
+
+
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         d = config.n_embd
         self.swiglu = config.mlp == "swiglu"
-        self.act = layers.ACTIVATIONS.get(config.mlp)
-        hidden = layers.mlp_width(d, config.mlp, config.mlp_hidden)
+        self.act = ACTIVATIONS.get(config.mlp)
+        hidden = mlp_width(d, config.mlp, config.mlp_hidden)
         self.fc = make_linear(config, d, hidden)
         self.gate = make_linear(config, d, hidden) if self.swiglu else None
         self.proj = make_linear(config, hidden, d)
@@ -334,15 +668,169 @@ class MLP(nn.Module):
         return self.proj(self.act(self.fc(x)))
 
 
+# ----------------------------------------------------------------------------- nGPT's hypersphere (Loshchilov et al.)
+# The residual stream and every weight vector along the embedding axis at unit L2 norm; learned scalings (alpha,
+# s_qk, s_u, s_v, s_z) restore the ranges normalization takes away. Compared with NVIDIA/ngpt: docs/schemes.md.
+
+
+def unit_norm(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """nGPT's Norm: x / ||x|| over the last axis, no gain; the floor eps only guards a zero vector (`F.normalize`)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
+
+
+def normalized_lerp(h: torch.Tensor, y: torch.Tensor, alpha: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """nGPT's residual update (eq. 10, 11): h <- Norm(h + alpha (Norm(y) - h)), in h's dtype (a bf16 sub-layer
+    output under autocast is normalized in float32)."""
+    return unit_norm(h + alpha * (unit_norm(y.to(h.dtype), eps) - h), eps)
+
+
+@torch.no_grad()
+def unit_(weight: torch.Tensor, dim: int) -> None:
+    """Scale the weight's vectors along `dim` to unit norm in place: the constraint nGPT's maps keep (§2.6)."""
+    weight.div_(torch.linalg.vector_norm(weight, dim=dim, keepdim=True).clamp_min_(1e-12))
+
+
+class LearnedScale(nn.Module):
+    """A learnable vector in nGPT's parameterization (§2.5): stored as `scale` and read as stored * init / scale,
+    so it starts at `init` and an Adam step of size lr moves it by lr * init / scale."""
+
+    def __init__(self, size: int, init: float, scale: float):
+        super().__init__()
+        self.init, self.scale = init, scale
+        self.param = nn.Parameter(torch.full((size,), float(scale)))
+
+    def forward(self) -> torch.Tensor:
+        return self.param * (self.init / self.scale)
+
+    def extra_repr(self) -> str:
+        return f"size={self.param.numel()}, init={self.init:.4g}, scale={self.scale:.4g}"
+
+
+class SphereLinear(nn.Linear):
+    """A linear map whose weight vectors along the embedding axis have unit norm (nGPT §2.6): `unit_dim` 1 for maps
+    that read the stream (unit rows), 0 for maps that write it (unit columns), as NVIDIA/ngpt's
+    `normalize_matrices`. `constrain_` restores the norms at init and after every optimizer step."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, unit_dim: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.unit_dim = unit_dim
+
+    def forward(self, x: torch.Tensor, out_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), each output times its entry of `out_scale` (nGPT's s_u, s_v, s_z), applied to W's rows:
+        (x W^T) s = x (s W)^T, the same values from a product over the weight instead of over every token."""
+        if out_scale is None:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias * out_scale
+        return F.linear(x, self.weight * out_scale[:, None], bias)
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        unit_(self.weight, self.unit_dim)
+
+
+class SphereEmbedding(nn.Embedding):
+    """An embedding table with unit rows (nGPT §2.1), restored by `constrain_` like `SphereLinear`."""
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        unit_(self.weight, 1)
+
+
+class SphereHead(SphereLinear):
+    """nGPT's output head (§2.1, eq. 3): unit rows make the logits cosines; s_z per vocabulary entry (init 1,
+    scale 1/sqrt(d)) gives them back a usable temperature."""
+
+    def __init__(self, n_embd: int, vocab_size: int):
+        super().__init__(n_embd, vocab_size, bias=False, unit_dim=1)
+        self.s_z = LearnedScale(vocab_size, 1.0, n_embd**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, self.s_z())
+
+
+class NormalizedLerp(nn.Module):
+    """nGPT's residual update (eq. 10, 11): h <- Norm(h + |alpha| (Norm(y) - h)), alpha per channel (the eigen
+    learning rates, init 0.05, scale 1/sqrt(d)); |alpha| as NVIDIA/ngpt's model.py (the paper asks alpha > 0)."""
+
+    def __init__(self, dim: int, alpha_init: float, alpha_scale: float):
+        super().__init__()
+        self.alpha = LearnedScale(dim, alpha_init, alpha_scale)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return normalized_lerp(x, y, self.alpha().abs().to(x.dtype))
+
+
+class SphereAttention(nn.Module):
+    """nGPT's attention (§2.3.2): unit-norm q, k, v and out maps; after RoPE (as NVIDIA/ngpt), q and k on the unit
+    sphere per head times s_qk (eq. 15, 16: d_k per head, init 1, scale 1/sqrt(d)); the row's attn_scale "sqrt(d)".
+    qk_norm=False drops the normalization and s_qk (the paper's Table 6 ablation)."""
+
+    def __init__(self, n_embd: int, n_head: int, bias: bool, qk_norm: bool, attn_scale: str, dropout: float,
+                 rope_length: int | None = None, rope_base: float = 10000.0):
+        super().__init__()
+        d, self.n_head = n_embd, n_head
+        self.head_dim = d // n_head
+        self.q_proj, self.k_proj, self.v_proj = (SphereLinear(d, d, bias, unit_dim=1) for _ in range(3))
+        self.out_proj = SphereLinear(d, d, bias, unit_dim=0)
+        self.s_qk = LearnedScale(d, 1.0, d**-0.5) if qk_norm else None
+        self.scale = softmax_scale(attn_scale, self.head_dim)
+        self.dropout = dropout
+        self.rope = rope_length is not None  # RoPE tables for rope_length positions; None: no RoPE
+        if self.rope:
+            register_rope(self, self.head_dim, rope_length, rope_base)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, (B, heads, T, head_dim), as the softmax sees them."""
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rope:
+            q = apply_rope(q, self.rope_cos, self.rope_sin)
+            k = apply_rope(k, self.rope_cos, self.rope_sin)
+        if self.s_qk is not None:
+            s_qk = self.s_qk().view(self.n_head, 1, self.head_dim).to(q.dtype)  # one vector per head
+            q, k = unit_norm(q) * s_qk, unit_norm(k) * s_qk
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.heads(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SphereMLP(nn.Module):
+    """nGPT's MLP (§2.4.2): unit-norm maps, u <- s_u sqrt(d) u, v <- s_v sqrt(d) v, then u * SiLU(v) (s_u, s_v init
+    1, scale 1). The sqrt(d) on u is NVIDIA/ngpt's (eq. 20 has s_u u): one model without biases, as the output is
+    used only after Norm. With mlp="gelu" or "relu2" (not in nGPT) the one input map takes v's scaling."""
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool, swiglu: bool, act: Callable | None = None):
+        super().__init__()
+        d, self.swiglu, self.act = n_embd, swiglu, act or F.gelu  # act: the one-matrix MLP's nonlinearity
+        self.fc = SphereLinear(d, hidden, bias, unit_dim=1)  # u (GELU: the nonlinearity's input)
+        self.gate = SphereLinear(d, hidden, bias, unit_dim=1) if swiglu else None  # v
+        self.proj = SphereLinear(hidden, d, bias, unit_dim=0)
+        self.s_u = LearnedScale(hidden, 1.0, 1.0) if self.swiglu else None
+        self.s_v = LearnedScale(hidden, 1.0, 1.0)
+        self.sqrt_d = math.sqrt(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v_scale = self.s_v() * self.sqrt_d
+        if not self.swiglu:
+            return self.proj(self.act(self.fc(x, v_scale)))
+        return self.proj(self.fc(x, self.s_u() * self.sqrt_d) * F.silu(self.gate(x, v_scale)))
+
+
 def make_sublayers(config: GPTConfig, layer: int) -> tuple[nn.Module, nn.Module]:
-    """Block `layer`'s attention and MLP: nGPT's unit-norm ones (ngpt.py) on the hypersphere (combine "nlerp")."""
+    """Block `layer`'s attention and MLP: nGPT's unit-norm ones on the hypersphere (combine "nlerp")."""
     if not config.hypersphere:
         return CausalSelfAttention(config, layer), MLP(config)
     rope_length = config.block_size if config.pos == "rope" else None
-    hidden = layers.mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
+    hidden = mlp_width(config.n_embd, config.mlp, config.mlp_hidden)
     return (SphereAttention(config.n_embd, config.n_head, config.bias, config.scheme.normalizes("qk", "qk_all", "qkv"),
                             config.scheme.attn_scale, config.dropout, rope_length),
-            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu", layers.ACTIVATIONS.get(config.mlp)))
+            SphereMLP(config.n_embd, hidden, config.bias, config.mlp == "swiglu", ACTIVATIONS.get(config.mlp)))
 
 
 # ----------------------------------------------------------------------------- block
@@ -379,11 +867,11 @@ class ResidualUpdate(nn.Module):
         self.branch_scale = scheme.branch_scale
         self.dropout = nn.Dropout(config.dropout)
         self.mid_norm = maybe_norm(config, scheme.normalizes("mid"), alpha)
-        self.combine = make_combine(config, j, layer)
+        self.combine = COMBINE_RULES[scheme.combine](config, j, layer)
         self.post_norm = maybe_norm(config, scheme.normalizes("post", f"post_{name}"), alpha)
         self.takes_ctx = isinstance(sublayer, CausalSelfAttention)
         n, kind = scheme.residual_streams, scheme.hyper_connections  # hyper-connections replace combine (an add)
-        self.hyper = None if kind == "none" else hyper.HyperConnection(kind, n, config.n_embd, j - 1, config.norm_eps)
+        self.hyper = None if kind == "none" else columns.HyperConnection(kind, n, config.n_embd, j - 1, config.norm_eps)
 
     def branch(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         h = self.pre_norm(x)
@@ -408,7 +896,7 @@ class Block(nn.Module):
         self.mlp = ResidualUpdate(config, mlp, "mlp", 2 * layer + 2, layer)
         if config.scheme.combine == "rezero_block":
             self.mlp.combine.alpha = self.attn.combine.alpha  # one alpha for the block's two updates
-        self.x0_mix = layers.X0Mix(config.scheme.init, layer, config.n_layer) if config.scheme.x0_mix else None
+        self.x0_mix = columns.X0Mix(config.scheme.init, layer, config.n_layer) if config.scheme.x0_mix else None
 
     def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         if self.x0_mix is not None:
@@ -429,10 +917,10 @@ class GPT(nn.Module):
         vector = config.vector_mode
         self.wte = nn.Linear(config.in_features, d, bias=False) if vector else embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
-        self.embed_scale = layers.ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
+        self.embed_scale = ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
         self.input_norm = maybe_norm(config, scheme.normalizes("input"))
         self.drop = nn.Dropout(config.dropout)
-        # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (see GeodesicStep)
+        # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (docs/schemes.md)
         on_sqrt_d_sphere = scheme.combine == "geodesic" and config.geonorm_radius == "sqrt_d"
         self.embed_radius = math.sqrt(d) if on_sqrt_d_sphere else None
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
@@ -447,13 +935,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
-                    layers.init_block_matrix(scheme.init, name, module.weight, config.n_layer)
+                    INITS[scheme.init](module.weight, name, config.n_layer)
         if scheme.init == "nanochat" and not vector:  # nanochat gpt.py init_weights
             nn.init.normal_(self.wte.weight, std=0.8)
             nn.init.normal_(self.lm_head.weight, std=0.001)
         self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
-
-    # ---- initialization
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2 defaults: N(0, 0.02) weights and embeddings, zero biases."""
@@ -465,8 +951,6 @@ class GPT(nn.Module):
             # Bir et al. §4.3: N(0, 1/s) with s non-zero input features, so embedded RMS ~ 1
             fan_in = self.config.embed_fan_in or self.config.in_features
             nn.init.normal_(module.weight, mean=0.0, std=fan_in**-0.5)
-
-    # ---- forward
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
@@ -489,24 +973,22 @@ class GPT(nn.Module):
         own loss, so the second element is None. Without targets, a token model returns only
         the last position's logits (all that sampling needs).
         """
-        x = self.embed(idx) if self.streams is None else hyper.expand(self.embed(idx), self.streams)
+        x = self.embed(idx) if self.streams is None else columns.expand(self.embed(idx), self.streams)
         ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
             x = block(x, ctx)
-        x = self.final_norm(x if self.streams is None else hyper.reduce(x))
+        x = self.final_norm(x if self.streams is None else columns.reduce(x))
         if self.config.vector_mode:
             return self.lm_head(x), None
         logits = self.lm_head(x if targets is not None else x[:, [-1], :])
         if self.logit_softcap is not None:
-            logits = layers.softcap(logits, self.logit_softcap)
+            logits = columns.softcap(logits, self.logit_softcap)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         if self.z_loss and self.training:  # the objective only: evaluations report the cross-entropy
-            loss = loss + self.z_loss * layers.z_loss(logits, targets)
+            loss = loss + self.z_loss * columns.z_loss(logits, targets)
         return logits, loss
-
-    # ---- constraints applied after every optimizer step
 
     @torch.no_grad()
     def apply_parameter_constraints(self) -> None:
@@ -547,3 +1029,9 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+if __name__ == "__main__":  # every scheme as a sentence: its columns that differ from the defaults
+    for row_name, row in SCHEMES.items():
+        print(f"{row_name:10s} " + ", ".join(f"{k}={v}" for k, v in row._asdict().items()
+                                              if k == "norms" or v != Scheme._field_defaults[k]))

@@ -15,7 +15,7 @@ stopped before its first one, from the command line in its run.json), or by the 
 there is neither. A diverged run ends in an x at the iteration its status line gives.
 
 Importable: differing_flags(runs), draw(...), plot_runs(...), draw_lr_sensitivity(...); a run's files are read by
-runs.py (load_metrics, run_config, diverged_at).
+nanonorm/runs.py (load_metrics, run_config, diverged_at).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 import statistics
 import sys
 
-from runs import IGNORED_FLAGS, RunFileError, diverged_at, is_number, load_metrics, run_config
+from nanonorm.runs import IGNORED_FLAGS, RunFileError, diverged_at, is_number, load_metrics, run_config
 
 
 class PlotError(RunFileError):

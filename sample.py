@@ -17,8 +17,8 @@ import torch
 
 import prepare_data
 from model import GPT, GPTConfig
-from run_files import foreign_checkpoint, load_checkpoint
-from train_config import ConfigError, check_device, exit_with, resolve_device
+from nanonorm.run_files import foreign_checkpoint, load_checkpoint
+from nanonorm.train_config import ConfigError, check_device, exit_with, resolve_device
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

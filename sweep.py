@@ -81,8 +81,8 @@ from scipy import stats
 import prepare_data
 import train
 from model import GPTConfig
-from resume import SPLIT_FINGERPRINT, short
-from run_files import (
+from nanonorm.resume import SPLIT_FINGERPRINT, short
+from nanonorm.run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
     LOCK_NAME,
@@ -91,8 +91,8 @@ from run_files import (
     previous_run_files,
     write_atomically,
 )
-from runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
-from train_config import ConfigError, TrainConfig, exit_with, explicit_settings
+from nanonorm.runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
+from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}

@@ -30,8 +30,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diagnostics import device_peak_flops, geonorm_angles, gradient_statistics, residual_stream_metrics, skipping
-from guards import (
+from model import GPT, GPTConfig
+from nanonorm.diagnostics import (
+    device_peak_flops,
+    geonorm_angles,
+    gradient_statistics,
+    residual_stream_metrics,
+    skipping,
+)
+from nanonorm.guards import (
     EXIT_STOPPED,
     NEVER,
     Dist,
@@ -50,9 +57,8 @@ from guards import (
     stop_with_checkpoint,
     stopped_during_setup,
 )
-from lm_task import Task, check_batch_fits, dropout_seed, make_task, model_inputs, print_sample, val_inputs
-from model import GPT, GPTConfig
-from resume import (
+from nanonorm.lm_task import Task, check_batch_fits, dropout_seed, make_task, model_inputs, print_sample, val_inputs
+from nanonorm.resume import (
     check_same_data,
     checkpoint_to_load,
     load_optimizer_state,
@@ -64,8 +70,8 @@ from resume import (
     save_evaluated,
     starting_point,
 )
-from run_files import CHECKPOINT_FORMAT, MetricsLog, foreign_checkpoint
-from train_config import OPTIMIZER_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
+from nanonorm.run_files import CHECKPOINT_FORMAT, MetricsLog, foreign_checkpoint
+from nanonorm.train_config import OPTIMIZER_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
 
 
 def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:

@@ -15,12 +15,11 @@ import torch
 from conftest import ROOT, tiny_run_args
 
 import icl_task
-import lm_task
 import optim
 import prepare_data
 import sample
 import train
-import train_config
+from nanonorm import lm_task, train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -40,10 +40,9 @@ def test_bench_reports_optimizer_state_relative_to_adamw(tables):
 def test_bench_profile_attributes_each_scheme_its_own_ops(tables):
     ops = tables["profile_schemes"]
     assert set(ops) == {"pre", "geonorm", "dnt"}
-    # the geodesic step's fused node runs in GeoNorm only, the q/k RMSNorm's in DNT only (Pre-Norm: LayerNorm)
-    assert "GeodesicStepFunction" in ops["geonorm"] and "GeodesicStepFunctionBackward" in ops["geonorm"]
-    assert "RMSNormFunction" in ops["dnt"] and "GeodesicStepFunction" not in ops["dnt"]
-    assert not {"GeodesicStepFunction", "RMSNormFunction"} & set(ops["pre"])
+    # the geodesic step's cos and sin run in GeoNorm only, the q/k RMSNorm's rsqrt in DNT only (Pre-Norm: LayerNorm)
+    assert "aten::cos" in ops["geonorm"] and "aten::cos" not in ops["dnt"] and "aten::cos" not in ops["pre"]
+    assert "aten::rsqrt" in ops["dnt"] and "aten::rsqrt" not in ops["pre"]
     assert set(tables["profile_optimizers"]) == {"adamw", "sgdw", "muon"}
 
 

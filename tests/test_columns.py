@@ -11,9 +11,10 @@ import torch.nn as nn
 from test_model import tiny, tokens
 from torch.nn import functional as F
 
-import layers
-from hyper import HyperConnection, sinkhorn_knopp
-from model import GPT, GPTConfig
+import model
+from model import GPT, GPTConfig, relu2
+from nanonorm import columns
+from nanonorm.columns import HyperConnection, sinkhorn_knopp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +51,7 @@ def test_z_loss_is_the_mean_squared_log_normalizer_and_enters_the_training_loss_
     targets[0, :2] = -1  # ignored tokens (ignore_index) count in neither the cross-entropy nor the z-loss
     log_z = torch.log(torch.exp(logits).sum(-1))  # the softmax's normalizer, written out
     expected = log_z[targets != -1].square().mean()
-    torch.testing.assert_close(layers.z_loss(logits, targets), expected, rtol=1e-12, atol=0)  # float64 rounding
+    torch.testing.assert_close(columns.z_loss(logits, targets), expected, rtol=1e-12, atol=0)  # float64 rounding
 
     torch.manual_seed(0)
     model = GPT(tiny(overrides={"z_loss": 1e-2})).double()
@@ -69,11 +70,11 @@ def test_z_loss_is_the_mean_squared_log_normalizer_and_enters_the_training_loss_
 @pytest.mark.parametrize("cap", [15.0, 50.0])
 def test_softcap_bounds_by_c_and_is_the_identity_to_first_order_near_zero(cap):
     x = torch.linspace(-1e4, 1e4, 2001, dtype=torch.float64)
-    assert layers.softcap(x, cap).abs().max() <= cap
-    assert layers.softcap(x.float(), cap).abs().max() <= cap
+    assert columns.softcap(x, cap).abs().max() <= cap
+    assert columns.softcap(x.float(), cap).abs().max() <= cap
     small = torch.linspace(-1e-2, 1e-2, 101, dtype=torch.float64) * cap
     # u - u^3/3 <= tanh(u) <= u for u >= 0: |c tanh(x/c) - x| <= |x|^3 / (3 c^2), plus float64 rounding
-    error = (layers.softcap(small, cap) - small).abs()
+    error = (columns.softcap(small, cap) - small).abs()
     assert (error <= small.abs() ** 3 / (3 * cap**2) + 1e-15 * cap).all()
     assert error.max() > 0  # and the cap did act
 
@@ -101,7 +102,7 @@ def test_attention_softcap_caps_the_scores_before_the_causal_softmax():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
     q = 40 * q  # scores in the hundreds: uncapped, each query attends to one key
-    attend = layers.Attention(8**-0.5, 0.0, cap=5.0)
+    attend = model.Attention(8**-0.5, 0.0, cap=5.0)
     torch.testing.assert_close(attend(q, k, v), reference_attention(q, k, v, 8**-0.5, cap=5.0), rtol=1e-12, atol=1e-12)
     assert not torch.allclose(attend(q, k, v), reference_attention(q, k, v, 8**-0.5), atol=1e-3)
     # the explicit path is SDPA's math: a cap far above every score changes nothing at float32's resolution
@@ -165,7 +166,7 @@ def test_qk_clip_brings_each_heads_largest_logit_to_tau_after_a_step_and_leaves_
 
 
 def test_value_residual_mixes_the_first_blocks_values_and_at_lambda_one_is_the_row():
-    first, later, ctx = layers.ValueResidual(first=True), layers.ValueResidual(first=False), {}
+    first, later, ctx = columns.ValueResidual(first=True), columns.ValueResidual(first=False), {}
     assert first.lam is None and later.lam.item() == 0.5  # ResFormer's 1/2
     v1, v = torch.randn(2, 2, 5, 4, dtype=torch.float64), torch.randn(2, 2, 5, 4, dtype=torch.float64)
     assert first(v1, ctx) is v1 and ctx["v1"] is v1
@@ -294,7 +295,7 @@ def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
         assert attn.q_proj.weight.abs().max() <= bound and attn.q_proj.weight.abs().max() > 0.9 * bound
         assert mlp.fc.weight.abs().max() <= 0.4 * bound and mlp.fc.weight.abs().max() > 0.36 * bound
         assert attn.scale == pytest.approx(1.44 / math.sqrt(16))  # q and k each times 1.2 after their norm
-        assert mlp.act is layers.relu2
+        assert mlp.act is relu2
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 10.0)
     assert model(tokens())[0].abs().max() <= 15.0  # the logit softcap

@@ -35,8 +35,7 @@ def uses_norm(scheme: str) -> bool:
 
 
 def assert_one_graph(config: GPTConfig) -> None:
-    """Dynamo traces one training forward pass (loss included) into a single graph (the norms as their plain
-    formulas: see fused.fused)."""
+    """Dynamo traces one training forward pass (loss included) into a single graph."""
     torch.manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (2, config.block_size))
     explanation = torch._dynamo.explain(GPT(config))(idx, idx)

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 import train
-import train_config
+from nanonorm import train_config
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=2, gradient_accumulation_steps=1, max_iters=2,
@@ -60,6 +60,7 @@ def test_a_new_scheme_is_one_line_appended_to_model_py(tmp_path, data_dir):
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    shutil.copytree(os.path.join(ROOT, "nanonorm"), tmp_path / "nanonorm")
     with open(tmp_path / "model.py", "a") as f:
         f.write('\nSCHEMES["my_norm"] = Scheme("pre+qk+final", init="xavier")\n')
     args = [f"--{k}={v}" for k, v in TINY.items()] + ["--norm_scheme=my_norm", "--dataset=shakespeare_char",

@@ -16,10 +16,9 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bench
-import diagnostics
-import guards
 import train
 from model import GPT, GPTConfig
+from nanonorm import diagnostics, guards
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -124,8 +123,8 @@ def test_gpu_report_without_cuda_exits_2(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("scheme", ["geonorm", "ngpt", "dnt"])
 def test_compiled_step_matches_eager_on_cuda(scheme):
     """Inductor's CUDA kernels keep the math: float32 logits and gradients as eager's (TF32 off: both sides in
-    full float32, so differences are summation order, ~1e-6 relative). Under torch 2.11 GeoNorm's and nGPT's
-    gradients were wrong here while their hand-written nodes were traced (see fused.fused)."""
+    full float32, so differences are summation order, ~1e-6 relative). (GeoNorm's and nGPT's
+    updates among them)."""
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:

@@ -30,7 +30,7 @@ from icl_task import (
     token_dim,
     well_conditioned,
 )
-from train_config import TrainConfig
+from nanonorm.train_config import TrainConfig
 
 D = 5
 # batches are drawn on the training device; CUDA's generator gives other numbers than the CPU's, so

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-import guards
 import train
+from nanonorm import guards
 
 D = 5
 ZERO_PREDICTOR_LOSS = D  # E||y||^2 with y = x W, x ~ N(0, I), W ~ N(0, 1/D)

@@ -10,18 +10,24 @@ ROOT = Path(__file__).resolve().parent.parent
 KNOWN_CYCLES: list[set[str]] = []  # none: any cycle fails the test
 
 
+def module_name(path: Path) -> str:
+    return path.stem if path.parent == ROOT else f"{path.parent.name}.{path.stem}"
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Each top-level .py module and the project modules it imports anywhere in its source."""
-    modules = {path.stem for path in ROOT.glob("*.py")}
+    """Each project module (the root's .py files and nanonorm/'s) and the project modules it imports anywhere in
+    its source; `from nanonorm import guards` counts as importing nanonorm.guards."""
+    paths = [*ROOT.glob("*.py"), *(ROOT / "nanonorm").glob("*.py")]
+    modules = {module_name(path) for path in paths}
     graph = {}
-    for path in ROOT.glob("*.py"):
+    for path in paths:
         imported = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
-                imported |= {alias.name.split(".")[0] for alias in node.names}
+                imported |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module.split(".")[0])
-        graph[path.stem] = (imported & modules) - {path.stem}
+                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        graph[module_name(path)] = (imported & modules) - {module_name(path), "nanonorm.__init__"}
     return graph
 
 
@@ -49,9 +55,15 @@ def test_imports_form_a_tree():
     assert not found, f"modules that import each other: {found}"
 
 
-def test_building_blocks_import_nothing_above_them():
-    """fused.py imports none of the project's modules; layers.py only fused.py; ngpt.py only those two."""
+def test_the_model_imports_only_its_columns():
+    """model.py is read alone: it imports nanonorm/columns.py, which imports nothing of the project."""
     graph = import_graph()
-    assert graph["fused"] == set()
-    assert graph["layers"] == {"fused"}
-    assert graph["ngpt"] <= {"fused", "layers"}
+    assert graph["model"] == {"nanonorm.columns"}
+    assert graph["nanonorm.columns"] == set()
+
+
+def test_the_library_imports_no_command():
+    """nanonorm/ holds what the commands import; it never imports a command a user runs."""
+    commands = {"train", "sample", "sweep", "plot", "bench", "gpu_report"}
+    graph = import_graph()
+    assert {m: graph[m] & commands for m in graph if m.startswith("nanonorm.") and graph[m] & commands} == {}

@@ -9,12 +9,10 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_run_args
 
-import guards
 import optim
 import train
-from layers import apply_rope
-from model import GPT, GPTConfig
-from ngpt import LearnedScale, SphereEmbedding, SphereLinear
+from model import GPT, GPTConfig, LearnedScale, SphereEmbedding, SphereLinear, apply_rope
+from nanonorm import guards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

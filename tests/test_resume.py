@@ -19,12 +19,9 @@ import pytest
 import torch
 from conftest import ROOT, tiny_run_args
 
-import diagnostics
-import guards
-import lm_task
 import optim
-import run_files
 import train
+from nanonorm import diagnostics, guards, lm_task, run_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

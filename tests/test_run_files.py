@@ -14,10 +14,8 @@ import pytest
 import torch
 from conftest import tiny_run_args
 
-import guards
-import resume
-import run_files
 import train
+from nanonorm import guards, resume, run_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,7 @@ from test_model import NORM_MODULES, count, reference_attention, residual_stream
 from torch.nn import functional as F
 
 import model as model_module
-from layers import DynamicErf, DynamicTanh, ReZeroAdd
-from model import GPT, GPTConfig
+from model import GPT, DynamicErf, DynamicTanh, GPTConfig, ReZeroAdd
 
 EPS = 1e-5  # GPTConfig.norm_eps, used by the references below
 

@@ -17,7 +17,7 @@ import plot
 import sweep
 import train
 from model import GPTConfig
-from run_files import OutDirLock
+from nanonorm.run_files import OutDirLock
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 ICL = os.path.join(ROOT, "configs", "icl_small_lipschitz_muon.py")

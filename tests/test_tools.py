@@ -18,10 +18,10 @@ import pytest
 from conftest import ROOT, tiny_run_args
 
 import plot
-import runs
 import sample
 import sweep
 import train
+from nanonorm import runs
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 
@@ -69,11 +69,11 @@ def imported_modules(path: str) -> set[str]:
 
 
 def test_sweep_plot_and_runs_import_one_way():
-    """runs.py <- sweep.py <- plot.py: what both scripts read of a run lives below them, and no two import each
-    other (a cycle that worked only while every import of one was lazy)."""
-    assert not {"sweep", "plot"} & imported_modules("runs.py")
-    assert "runs" in imported_modules("sweep.py") and "plot" not in imported_modules("sweep.py")
-    assert "runs" in imported_modules("plot.py")
+    """nanonorm/runs.py <- sweep.py <- plot.py: what both scripts read of a run lives below them, and no two import
+    each other (a cycle that worked only while every import of one was lazy)."""
+    assert not {"sweep", "plot"} & imported_modules("nanonorm/runs.py")
+    assert "nanonorm.runs" in imported_modules("sweep.py") and "plot" not in imported_modules("sweep.py")
+    assert "nanonorm.runs" in imported_modules("plot.py")
 
 
 def test_expand_grid_covers_every_combination_then_every_seed():

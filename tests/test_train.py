@@ -11,10 +11,9 @@ import pytest
 import torch
 from conftest import ROOT, tiny_run_args
 
-import lm_task
-import run_files
 import sample
 import train
+from nanonorm import lm_task, run_files
 
 
 def read_metrics(out_dir: str) -> list[dict]:

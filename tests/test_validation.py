@@ -8,11 +8,9 @@ import sys
 import pytest
 from conftest import tiny_run_args
 
-import guards
 import prepare_data
-import run_files
 import train
-import train_config
+from nanonorm import guards, run_files, train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

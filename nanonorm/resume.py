@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from guards import Dist, agreed
-from run_files import (
+from nanonorm.guards import Dist, agreed
+from nanonorm.run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
     METRICS_NAME,
@@ -34,7 +34,7 @@ from run_files import (
     save_checkpoint,
     save_latest_checkpoint,
 )
-from train_config import TRAIN_KEYS, ConfigError, TrainConfig
+from nanonorm.train_config import TRAIN_KEYS, ConfigError, TrainConfig
 
 
 def checkpoint_to_load(cfg: TrainConfig) -> str | None:

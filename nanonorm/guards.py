@@ -43,10 +43,10 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from diagnostics import block_activation_rms
 from model import GPT
-from run_files import MetricsLog, OutDirLock, save_stop_checkpoint
-from train_config import ConfigError, TrainConfig, resolve_device
+from nanonorm.diagnostics import block_activation_rms
+from nanonorm.run_files import MetricsLog, OutDirLock, save_stop_checkpoint
+from nanonorm.train_config import ConfigError, TrainConfig, resolve_device
 
 T = TypeVar("T")
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import torch
 
-from train_config import ConfigError
+from nanonorm.train_config import ConfigError
 
 CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
 LOCK_NAME, METRICS_NAME, CHECKPOINT_NAME, LAST_CHECKPOINT_NAME = ".lock", "metrics.jsonl", "ckpt.pt", "ckpt_last.pt"

@@ -19,9 +19,7 @@ import time
 import torch
 import torch.nn as nn
 
-from layers import GeodesicStep
-from model import GPT, CausalSelfAttention
-from ngpt import SphereAttention
+from model import GPT, CausalSelfAttention, GeodesicStep, SphereAttention
 
 GRAD_HIST_LOG10_EDGES = list(range(-12, 1))  # |g| histogram: <1e-12, [1e-12, 1e-11), ..., >=1
 

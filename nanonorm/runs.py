@@ -94,12 +94,12 @@ def command_line_config(out_dir: str) -> dict | None:
     """The training and model settings of out_dir/run.json's argv (config file and flags), the model's
     defaults for the rest but for the keys the task sets (TASK_MODEL_KEYS: missing); None if there is no
     such file or it no longer parses. The config file is looked up from here, then from this file's
-    folder (sweep.py's cwd)."""
+    project's folder (sweep.py's cwd)."""
     import contextlib
     import io
 
-    import train
     from model import GPTConfig
+    from nanonorm.train_config import ConfigError, load_config
 
     try:
         with open(os.path.join(out_dir, "run.json")) as f:
@@ -107,12 +107,12 @@ def command_line_config(out_dir: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if argv and not argv[0].startswith("--") and not os.path.exists(argv[0]):
-        argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), argv[0])
+        argv[0] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), argv[0])
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # its "no effect" warnings were the run's to give
-            cfg, model_args = train.load_config(argv)
+            cfg, model_args = load_config(argv)
         scheme = GPTConfig(**model_args).scheme._asdict()
-    except (train.ConfigError, OSError, TypeError, ValueError):
+    except (ConfigError, OSError, TypeError, ValueError):
         return None
     # the model keys left at their defaults, but those the task fills in (the vocabulary, the vector sizes)
     defaults = {k: v for k, v in asdict(GPTConfig()).items() if k not in TASK_MODEL_KEYS}

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 import prepare_data
-from guards import Dist, StopSignals, agreed
 from model import GPT
-from train_config import MODEL_KEYS, ConfigError, TrainConfig
+from nanonorm.guards import Dist, StopSignals, agreed
+from nanonorm.train_config import MODEL_KEYS, ConfigError, TrainConfig
 
 if TYPE_CHECKING:
     from icl_task import LeastSquaresTask
