@@ -1,25 +1,21 @@
 """
 Train a nanoNorm GPT: one loop for one CPU, one GPU, or many GPUs and nodes.
 
-    python train.py configs/quickstart.py                       # CPU or one GPU
-    python train.py configs/quickstart.py --n_layer=2 --compile=True
+    python train.py configs/quickstart.py --n_layer=2 --compile=True   # CPU or one GPU
     torchrun --standalone --nproc_per_node=8 train.py configs/geonorm_125m.py
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
         --nproc_per_node=8 train.py configs/geonorm_125m.py     # then node_rank=1 on the other
 
-A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it; `--help` lists
-every key (train_config.py), and anything else stops with a message.
-
-Read top to bottom as nanoGPT's train.py: config, data (lm_task.py, icl_task.py), model and optimizer
-(build), the training loop. What a run guarantees lives beside it: the same batches and dropout masks
-whatever the number of ranks, and bitwise resumes (lm_task.py, resume.py); exit codes, divergence and
-stop signals on which all ranks agree (guards.py); diagnostics on request (diagnostics.py).
+A config file is Python assignments (`n_layer = 6`); `--key=value` overrides it; `--help` lists every key. Read
+as nanoGPT's train.py: the pieces of a step, then `run`: config, data, model and optimizer, and the training loop.
+What a run guarantees lives in nanonorm/ behind calls named for it: the same batches and dropout masks whatever
+the number of ranks, and bitwise resumes (lm_task.py, resume.py); exit codes, divergence, stop signals and lost
+ranks on which all ranks agree (guards.py); checkpoints and logs (run_files.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import sys
 import time
@@ -31,78 +27,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, GPTConfig
-from nanonorm.diagnostics import (
-    device_peak_flops,
-    geonorm_angles,
-    gradient_statistics,
-    residual_stream_metrics,
-    skipping,
-)
-from nanonorm.guards import (
-    EXIT_STOPPED,
-    NEVER,
-    Dist,
-    StopSignals,
-    all_ranks,
-    batch_is_finite,
-    check_in,
-    claim_out_dir,
-    eval_divergence,
-    exit_code,
-    lost_ranks_named,
-    nonfinite_state,
-    report_divergence,
-    reuse_freed_memory,
-    setup_distributed,
-    stop_with_checkpoint,
-    stopped_during_setup,
-)
-from nanonorm.lm_task import Task, check_batch_fits, dropout_seed, make_task, model_inputs, print_sample, val_inputs
-from nanonorm.resume import (
-    check_same_data,
-    checkpoint_to_load,
-    load_optimizer_state,
-    load_weights,
-    open_log,
-    resume_model_args,
-    resume_summary,
-    resumed_settings,
-    save_evaluated,
-    starting_point,
-)
-from nanonorm.run_files import CHECKPOINT_FORMAT, MetricsLog, foreign_checkpoint
-from nanonorm.train_config import OPTIMIZER_KEYS, ConfigError, TrainConfig, accumulation_per_rank, load_config
-
-
-def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:
-    """The config's dtype; auto: bf16 on a GPU that has it, else fp16 (with a loss scaler), float32 on a CPU."""
-    if cfg.dtype != "auto":
-        return getattr(torch, cfg.dtype)
-    if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-def lr_multiplier(cfg: TrainConfig, it: int) -> float:
-    """Linear warmup, then down to min_lr/learning_rate at lr_decay_iters, and flat after it.
-
-    cosine: nanoGPT's cosine decay over [warmup_iters, lr_decay_iters].
-    wsd: warmup, stable, decay (Bir et al.'s schedule: 2% warmup, constant, linear decay over the
-    last 10%): flat until lr_decay_iters - cooldown_iters, then linear to the floor.
-    """
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    if it < cfg.warmup_iters:
-        return (it + 1) / (cfg.warmup_iters + 1)
-    floor = cfg.min_lr / cfg.learning_rate
-    if it >= cfg.lr_decay_iters:
-        return floor
-    if cfg.lr_schedule == "wsd":
-        start = max(cfg.warmup_iters, cfg.lr_decay_iters - cfg.cooldown_iters)
-        progress = max(0, it - start) / max(1, cfg.lr_decay_iters - start)
-        return 1.0 - progress * (1.0 - floor)
-    progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)
+from nanonorm import diagnostics, guards, lm_task, resume, train_config
+from nanonorm.diagnostics import device_peak_flops
+from nanonorm.guards import Dist, StopSignals, report_divergence
+from nanonorm.lm_task import Task
+from nanonorm.run_files import CHECKPOINT_FORMAT, MetricsLog
+from nanonorm.train_config import ConfigError, TrainConfig, accumulation_per_rank, load_config
 
 
 def build(cfg: TrainConfig, model_args: dict, task: Task, device: str,
@@ -110,55 +40,29 @@ def build(cfg: TrainConfig, model_args: dict, task: Task, device: str,
     """The model and its optimizer, from the config or, resumed, from the checkpoint (checked first)."""
     import optim
 
-    if checkpoint is not None:
-        model_args = resume_model_args(cfg, model_args, task, checkpoint)
-    else:
-        model_args = {**task.model_defaults, **model_args}
-    try:
-        gptconf = GPTConfig(**model_args)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    except TypeError as e:  # a key GPTConfig lacks: the checkpoint's (the config's keys are checked)
-        raise foreign_checkpoint(cfg.out_dir, e) from None
-    if cfg.task == "lm" and gptconf.vocab_size < task.data.vocab_size:
-        raise ConfigError(f"vocab_size={gptconf.vocab_size} is smaller than the dataset's vocabulary of "
-                          f"{task.data.vocab_size} tokens; drop --vocab_size (the data sets it) or raise it")
+    gptconf = resume.model_config(cfg, model_args, task, checkpoint)
     torch.manual_seed(cfg.seed)  # the same init on every rank
-    try:
+    with guards.out_of_memory_named(gptconf, device):
         model = GPT(gptconf).to(device)
-    except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, an allocator's RuntimeError on the CPU
-        if "out of memory" not in str(e) and "allocate" not in str(e):
-            raise
-        raise ConfigError(f"the model (n_layer={gptconf.n_layer}, n_embd={gptconf.n_embd}, vocab_size="
-                          f"{gptconf.vocab_size}) does not fit in {device}'s memory; make it smaller") from None
     if checkpoint is not None:
-        load_weights(model, checkpoint, cfg.out_dir)
+        resume.load_weights(model, checkpoint, cfg.out_dir)
     try:
-        optimizer = optim.build_optimizer(
-            model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-            betas=cfg.betas, device_type=device.split(":")[0], **{k: getattr(cfg, k) for k in OPTIMIZER_KEYS})
+        options = {k: getattr(cfg, k) for k in train_config.OPTIMIZER_KEYS}
+        optimizer = optim.build_optimizer(model, cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                          betas=cfg.betas, device_type=device.split(":")[0], **options)
     except ValueError as e:  # an option the optimizer refuses
         raise ConfigError(f"optimizer {cfg.optimizer}: {e}") from None
     if checkpoint is not None:
-        load_optimizer_state(optimizer, checkpoint, cfg)
+        resume.load_optimizer_state(optimizer, checkpoint, cfg)
     return gptconf, model, optimizer
 
 
-# torch 2.13 renamed DDP's broadcast_buffers (deprecated since) to forward_sync_buffers; older torch has only the first
-NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-    else "broadcast_buffers"
-
-
 def wrap_model(model: GPT, ddp: Dist, device_type: str, compiled: bool) -> torch.nn.Module:
-    """DDP first, then torch.compile: compiling the DDP module lets dynamo split the graph at DDP's gradient
-    buckets, so each bucket's all-reduce overlaps the rest of the backward (compiled first, every gradient
-    leaves one graph at its end and the all-reduce waits for all of them)."""
-    if ddp.world_size > 1:
-        # every buffer is a constant set at construction (RoPE tables, fixed gains): nothing to sync in a forward,
-        # and a sync there would hang an evaluation in which some ranks get no batch. Gradients as views of the
-        # buckets: no copy in or out of them.
+    """DDP first, then torch.compile: dynamo then splits the graph at DDP's gradient buckets, so each bucket's
+    all-reduce overlaps the rest of the backward."""
+    if ddp.world_size > 1:  # every buffer is a constant: no sync in a forward (it would hang an uneven evaluation)
         model = DDP(model, device_ids=[ddp.local_rank] if device_type == "cuda" else None, gradient_as_bucket_view=True,
-                    **{NO_BUFFER_SYNC: False})
+                    **{guards.NO_BUFFER_SYNC: False})
     return torch.compile(model) if compiled else model
 
 
@@ -169,7 +73,7 @@ def forward_backward(model: torch.nn.Module, task: Task, ddp: Dist, accum: int, 
     loss_sum = None
     for micro in range(accum):
         k = ddp.rank * accum + micro
-        torch.manual_seed(dropout_seed(seed, it, k))
+        torch.manual_seed(lm_task.dropout_seed(seed, it, k))
         batch = task.train_batch(it, k)
         sync = micro == accum - 1 or ddp.world_size == 1
         with (nullcontext() if sync else model.no_sync()), autocast:
@@ -182,18 +86,15 @@ def forward_backward(model: torch.nn.Module, task: Task, ddp: Dist, accum: int, 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, raw_model: GPT, task: Task, ddp: Dist, autocast,
              skip_blocks: bool = False) -> dict:
-    """Mean loss per split, averaged over all ranks' batches; plus the task's extra metrics, and with skip_blocks
-    the val loss increase when each block is left out."""
+    """Mean loss per split over all ranks' batches, the task's extra metrics and the residual stream's."""
     model.eval()
     out = {f"{split}_loss": split_loss(model, task, split, ddp, autocast) for split in task.eval_splits()}
     if hasattr(task, "extra_metrics"):
         out.update(task.extra_metrics(model, autocast))
-    out.update(residual_stream_metrics(raw_model, val_inputs(task)))
-    if skip_blocks:
-        out["block_skip_loss"] = []
-        for block in raw_model.blocks:
-            with skipping(block):
-                out["block_skip_loss"].append(split_loss(raw_model, task, "val", ddp, autocast) - out["val_loss"])
+    out.update(diagnostics.residual_stream_metrics(raw_model, lm_task.val_inputs(task)))
+    if skip_blocks:  # the "curse of depth" measure: the val loss without each block, less the model's
+        out["block_skip_loss"] = diagnostics.block_skip_losses(
+            raw_model, lambda: split_loss(raw_model, task, "val", ddp, autocast) - out["val_loss"])
     model.train()
     return out
 
@@ -203,7 +104,7 @@ def split_loss(model: torch.nn.Module, task: Task, split: str, ddp: Dist, autoca
     for batch in task.eval_batches(split, ddp):
         with autocast:
             total += torch.stack([task.loss(model, batch).float(), torch.ones((), device=total.device)])
-    all_ranks(total, ddp)
+    guards.all_ranks(total, ddp)
     return (total[0] / total[1]).item()
 
 
@@ -214,7 +115,7 @@ def evaluates_at(cfg: TrainConfig, iteration: int) -> bool:
 
 @dataclass
 class LoopState:
-    """A run once set up: what the training loop works with, and where it stands."""
+    """What the training loop works with once a run is set up, and where it stands."""
 
     cfg: TrainConfig
     ddp: Dist
@@ -246,22 +147,24 @@ class LoopState:
     def __post_init__(self) -> None:
         self.start_iter = self.eval_iter = self.iter_num
         self.eval_skipped = self.skipped
-        self.first_bad = torch.full((), NEVER, dtype=torch.int64, device=self.device)  # no sync per step
+        self.first_bad = torch.full((), guards.NEVER, dtype=torch.int64, device=self.device)  # no sync per step
 
 
 def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSignals) -> int:
-    """Set up the task, the model, the optimizer and the log (checking a resumed run's checkpoint first), and train."""
+    """Set up the task, model, optimizer and log (a resumed run's checkpoint checked first), then train: 0, or the
+    exit code of a divergence or a stop (nanonorm/guards.py)."""
+    # ---- config, data, model and optimizer
     accum = accumulation_per_rank(cfg, ddp.world_size)
-    checkpoint = starting_point(cfg, device)
-    cfg, task_args = resumed_settings(cfg, model_args, checkpoint)
-    check_batch_fits(cfg, task_args, device)
-    task = make_task(cfg, task_args, device, ddp.master)
+    checkpoint = resume.starting_point(cfg, device)
+    cfg, task_args = resume.resumed_settings(cfg, model_args, checkpoint)
+    lm_task.check_batch_fits(cfg, task_args, device)
+    task = lm_task.make_task(cfg, task_args, device, ddp.master)
     if checkpoint is not None:
-        check_same_data(cfg, checkpoint, task)
+        resume.check_same_data(cfg, checkpoint, task)
     gptconf, model, optimizer = build(cfg, model_args, task, device, checkpoint)
-    if stopped_during_setup(stop, ddp, device):
-        return EXIT_STOPPED
-    dtype = autocast_dtype(cfg, device)
+    if guards.stopped_during_setup(stop, ddp, device):
+        return guards.EXIT_STOPPED
+    dtype = train_config.autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     if device_type == "cuda":  # float32 matmuls on TF32 tensor cores
@@ -272,7 +175,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     compiled = cfg.compile if cfg.compile is not None else device_type == "cuda"
     wrapped = wrap_model(model, ddp, device_type, compiled)
     iter_num = checkpoint["iter_num"] if checkpoint else 0
-    log = open_log(cfg, ddp, device, checkpoint, reevaluates=evaluates_at(cfg, iter_num))
+    log = resume.open_log(cfg, ddp, device, checkpoint, reevaluates=evaluates_at(cfg, iter_num))
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     # MFU's denominator, for rank 0's train lines: the other ranks do not log it, and on a CPU measuring takes a second
@@ -283,37 +186,33 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         print(f"{gptconf.norm_scheme}{norms}: {model.get_num_params() / 1e6:.2f}M parameters, "
               f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
         if checkpoint:
-            print(resume_summary(cfg, checkpoint))
+            print(resume.resume_summary(cfg, checkpoint))
             if log.moved:
                 print(log.moved)
-    return train_loop(LoopState(
-        cfg, ddp, device, stop, task, model, wrapped, optimizer, scaler, autocast, accum, log,
-        tokens_per_iter, flops_per_iter, peak, iter_num,
-        best_val=checkpoint["best_val_loss"] if checkpoint else float("inf"),
-        skipped=checkpoint.get("skipped_steps", 0) if checkpoint else 0,
-        start_evaluated=checkpoint is None or checkpoint.get("evaluated", True)))
+    s = LoopState(cfg, ddp, device, stop, task, model, wrapped, optimizer, scaler, autocast, accum, log,
+                  tokens_per_iter, flops_per_iter, peak, iter_num,
+                  best_val=checkpoint["best_val_loss"] if checkpoint else float("inf"),
+                  skipped=checkpoint.get("skipped_steps", 0) if checkpoint else 0,
+                  start_evaluated=checkpoint is None or checkpoint.get("evaluated", True))
 
-
-def train_loop(s: LoopState) -> int:
-    """Evaluate, step and log until max_iters; the exit code (0, or a divergence or a stop: see guards.py)."""
-    cfg, model, optimizer, scaler = s.cfg, s.model, s.optimizer, s.scaler
+    # ---- the training loop
     while True:
-        if evaluates_at(cfg, s.iter_num):
+        if evaluates_at(cfg, s.iter_num):  # evaluate, log, and save the checkpoint (a divergence ends the run)
             code = evaluate_and_save(s)
             if code is not None:
                 return code
         if s.iter_num >= cfg.max_iters or cfg.init_from == "eval":
             break
 
-        mult = lr_multiplier(cfg, s.iter_num)
+        mult = train_config.lr_multiplier(cfg, s.iter_num)
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * mult
-        loss_sum = forward_backward(model, s.task, s.ddp, s.accum, s.iter_num, scaler, s.autocast, cfg.seed)
+        loss_sum = forward_backward(wrapped, task, ddp, accum, s.iter_num, scaler, autocast, cfg.seed)
         grad_norm = None
         if cfg.grad_clip > 0 or cfg.skip_nonfinite:  # one norm serves the skip check and the clipping
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        if cfg.skip_nonfinite and not all_ranks(batch_is_finite(loss_sum, grad_norm, scaler), s.ddp,
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in wrapped.parameters() if p.grad is not None])
+        if cfg.skip_nonfinite and not guards.all_ranks(guards.batch_is_finite(loss_sum, grad_norm, scaler), ddp,
                                                 dist.ReduceOp.MIN).item():
             code = skip_batch(s)  # a sync per step
             if code is not None:
@@ -321,11 +220,11 @@ def train_loop(s: LoopState) -> int:
         else:
             s.first_bad = torch.where(loss_sum.isfinite(), s.first_bad, s.first_bad.clamp(max=s.iter_num))
             if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.grad_clip, grad_norm)
+                torch.nn.utils.clip_grads_with_norm_(wrapped.parameters(), cfg.grad_clip, grad_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            s.raw_model.apply_parameter_constraints()
+            model.apply_parameter_constraints()  # nGPT's unit norms, the Lipschitz gains, QK-Clip
         s.iter_num += 1
         s.iters_since_log += 1
         if s.iter_num == s.start_iter + 1:  # the first step compiles and warms up: keep it out of ms/iter and MFU
@@ -336,49 +235,47 @@ def train_loop(s: LoopState) -> int:
         # several at these points only, where they sync anyway
         stop_now = False
         if (log_now or s.iter_num % cfg.eval_interval == 0 or s.iter_num >= cfg.max_iters
-                or (s.ddp.world_size == 1 and s.stop.received)):
-            bad_iter, stop_now = check_in(s.first_bad, s.stop, s.ddp)  # the same on every rank: all stop together
+                or (ddp.world_size == 1 and stop.received)):
+            bad_iter, stop_now = guards.check_in(s.first_bad, stop, ddp)  # the same on every rank: all stop together
             if bad_iter is not None:
-                return report_divergence(s.log, s.ddp, bad_iter + 1, "non-finite training loss", s.raw_model,
-                                         optimizer, model_inputs(s.task.train_batch(bad_iter, 0)))
+                return report_divergence(log, ddp, bad_iter + 1, "non-finite training loss", model, optimizer,
+                                         lm_task.model_inputs(task.train_batch(bad_iter, 0)))
         if log_now:
             log_progress(s, loss_sum)
         if stop_now:  # after the iteration's train line, so the log has every completed iteration
             return stop_after_iteration(s)
 
-    if s.ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
-        print_sample(s.raw_model, s.task.data.meta, cfg.sample_tokens, s.device, s.stop)
+    if ddp.master and cfg.sample_tokens > 0 and cfg.task == "lm":
+        lm_task.print_sample(model, task.data.meta, cfg.sample_tokens, device, stop)
     return 0
 
 
 def evaluate_and_save(s: LoopState) -> int | None:
     """Evaluate at s.iter_num: a non-finite loss or state ends the run as diverged (its exit code returned);
     else rank 0 prints and logs the evaluation, and saves a checkpoint of it first."""
-    cfg = s.cfg
-    metrics = evaluate(s.model, s.raw_model, s.task, s.ddp, s.autocast,
-                       skip_blocks=cfg.log_diagnostics and s.iter_num >= cfg.max_iters)
+    cfg, at_end = s.cfg, s.iter_num >= s.cfg.max_iters or s.cfg.init_from == "eval"
+    metrics = evaluate(s.model, s.raw_model, s.task, s.ddp, s.autocast, cfg.log_diagnostics and at_end)
     # never save a checkpoint from non-finite state; the losses are all-reduced, so all ranks agree
     finite = all(math.isfinite(metrics[f"{split}_loss"]) for split in s.task.eval_splits())
-    reason = eval_divergence(cfg, finite, s.iter_num >= cfg.max_iters or cfg.init_from == "eval",
-                             s.iter_num - s.eval_iter, s.skipped - s.eval_skipped)
+    reason = guards.diverged_at_eval(cfg, finite, at_end, s.iter_num - s.eval_iter, s.skipped - s.eval_skipped,
+                                     s.raw_model, s.optimizer, s.ddp, s.device)
     s.eval_iter, s.eval_skipped, s.eval_finite = s.iter_num, s.skipped, finite
-    if all_ranks(torch.tensor(float(reason is not None or bool(nonfinite_state(s.raw_model, s.optimizer))),
-                              device=s.device), s.ddp).item():
-        return report_divergence(s.log, s.ddp, s.iter_num, reason or "non-finite eval loss or state", s.raw_model,
-                                 s.optimizer, val_inputs(s.task))
+    if reason is not None:
+        return report_divergence(s.log, s.ddp, s.iter_num, reason, s.raw_model, s.optimizer,
+                                 lm_task.val_inputs(s.task))
     if cfg.log_diagnostics and s.raw_model.config.scheme.combine == "geodesic":  # GeoNorm's angles
-        metrics.update(geonorm_angles(s.raw_model, val_inputs(s.task)))
+        metrics.update(diagnostics.geonorm_angles(s.raw_model, lm_task.val_inputs(s.task)))
     if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
         forward_backward(s.model, s.task, s.ddp, s.accum, s.iter_num, s.scaler, s.autocast, cfg.seed)
         if s.ddp.master:
-            metrics.update(gradient_statistics(s.raw_model, s.scaler.get_scale() if s.scaler.is_enabled() else 1.0))
+            metrics.update(diagnostics.gradient_statistics(s.raw_model, s.scaler.get_scale()))
         s.optimizer.zero_grad(set_to_none=True)
     if s.ddp.master:
         print(f"iter {s.iter_num}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         improved = metrics["val_loss"] < s.best_val
         s.best_val = min(s.best_val, metrics["val_loss"])
         if (s.iter_num > s.start_iter or not s.start_evaluated) and cfg.init_from != "eval" and finite:
-            save_evaluated(cfg, s.iter_num, lambda: checkpoint_state(s), cfg.always_save_checkpoint or improved)
+            resume.save_evaluated(cfg, s.iter_num, lambda: checkpoint_state(s), cfg.always_save_checkpoint or improved)
         s.log.write(kind="eval", iter=s.iter_num, **metrics)  # after the save: a logged eval has its checkpoint
     s.t_last = time.perf_counter()  # evaluation time is not training time
     return None
@@ -392,13 +289,14 @@ def skip_batch(s: LoopState) -> int | None:
     s.skipped += 1
     if s.skipped <= s.cfg.skip_nonfinite:
         return None
-    return report_divergence(s.log, s.ddp, s.iter_num + 1, f"more than {s.cfg.skip_nonfinite} non-finite losses "
-                             "skipped", s.raw_model, s.optimizer, model_inputs(s.task.train_batch(s.iter_num, 0)))
+    reason = f"more than {s.cfg.skip_nonfinite} non-finite losses skipped"
+    return report_divergence(s.log, s.ddp, s.iter_num + 1, reason, s.raw_model, s.optimizer,
+                             lm_task.model_inputs(s.task.train_batch(s.iter_num, 0)))
 
 
 def log_progress(s: LoopState, loss_sum: torch.Tensor) -> None:
     """A train line: the global batch's loss, the learning rate, and the speed since the last line."""
-    lossf = (all_ranks(loss_sum, s.ddp) / s.ddp.world_size).item()  # the global batch's loss
+    lossf = (guards.all_ranks(loss_sum, s.ddp) / s.ddp.world_size).item()  # the global batch's loss
     speed = {}
     if s.iters_since_log:  # none yet right after the first step, which is not timed
         dt = (time.perf_counter() - s.t_last) / s.iters_since_log
@@ -417,10 +315,10 @@ def log_progress(s: LoopState, loss_sum: torch.Tensor) -> None:
 def stop_after_iteration(s: LoopState) -> int:
     """A stop signal: save the last completed iteration and log the stop (exit code 4). No save from a state that
     may be poisoned: a non-finite last evaluation or state, or batches skipped since the last evaluation."""
-    unsaved = ("its state is not finite" if not s.eval_finite or nonfinite_state(s.raw_model, s.optimizer) else
+    unsaved = ("its state is not finite" if not s.eval_finite or guards.nonfinite_state(s.raw_model, s.optimizer) else
                "non-finite batches were skipped since the last evaluation" if s.skipped > s.eval_skipped else None)
     state = checkpoint_state(s, evaluated=False) if unsaved is None else None
-    return stop_with_checkpoint(s.log, s.ddp, s.stop, s.iter_num, state, s.cfg, unsaved)
+    return guards.stop_with_checkpoint(s.log, s.ddp, s.stop, s.iter_num, state, s.cfg, unsaved)
 
 
 def checkpoint_state(s: LoopState, evaluated: bool = True) -> dict:
@@ -435,17 +333,17 @@ def checkpoint_state(s: LoopState, evaluated: bool = True) -> dict:
 def train(argv: list[str]) -> int:
     """Run the training that `argv` (a config file and --key=value flags) asks for; its exit code."""
     cfg, model_args = load_config(argv)
-    checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
-    reuse_freed_memory()
-    ddp, device = setup_distributed(cfg)
+    resume.checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
+    guards.reuse_freed_memory()
+    ddp, device = guards.setup_distributed(cfg)
     stop = StopSignals()
-    with lost_ranks_named(cfg, ddp, stop), claim_out_dir(cfg.out_dir, ddp, device), stop:
+    with guards.lost_ranks_named(cfg, ddp, stop), guards.claim_out_dir(cfg.out_dir, ddp, device), stop:
         return run(cfg, model_args, ddp, device, stop)
 
 
 def main() -> None:
     """The command line: train, and exit with the run's exit code (see guards.py)."""
-    sys.exit(exit_code(lambda: train(sys.argv[1:])))
+    sys.exit(guards.exit_code(lambda: train(sys.argv[1:])))
 
 
 if __name__ == "__main__":

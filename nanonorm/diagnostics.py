@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -106,6 +107,15 @@ def skipping(block: nn.Module):
         yield
     finally:
         handle.remove()
+
+
+def block_skip_losses(model: GPT, loss_increase: Callable[[], float]) -> list[float]:
+    """`loss_increase()` with each block of the model skipped in turn (see `skipping`)."""
+    out = []
+    for block in model.blocks:
+        with skipping(block):
+            out.append(loss_increase())
+    return out
 
 
 @torch.no_grad()

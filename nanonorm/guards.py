@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import math
 import os
 import signal
@@ -42,8 +43,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import GPT
+from model import GPT, GPTConfig
 from nanonorm.diagnostics import block_activation_rms
 from nanonorm.run_files import MetricsLog, OutDirLock, save_stop_checkpoint
 from nanonorm.train_config import ConfigError, TrainConfig, resolve_device
@@ -291,6 +293,17 @@ def eval_divergence(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, sk
     return None
 
 
+def diverged_at_eval(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, skips: int, model: GPT, optimizer,
+                     ddp: Dist, device: str) -> str | None:
+    """Why the run ends as diverged at this evaluation (a non-finite loss, or weights or optimizer state), agreed by
+    every rank; None if it goes on."""
+    reason = eval_divergence(cfg, finite, at_end, steps, skips)
+    bad = reason is not None or bool(nonfinite_state(model, optimizer))
+    if all_ranks(torch.tensor(float(bad), device=device), ddp).item():
+        return reason or "non-finite eval loss or state"
+    return None
+
+
 def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
                       inputs: torch.Tensor) -> int:
     """Say where the run blew up: the non-finite parameters, or, while they are all still finite, the
@@ -340,3 +353,21 @@ def reuse_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+@contextlib.contextmanager
+def out_of_memory_named(config: GPTConfig, device: str) -> Iterator[None]:
+    """A model too large for the device: a ConfigError that says so (torch.OutOfMemoryError on a GPU, an
+    allocator's RuntimeError on the CPU), not a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "out of memory" not in str(e) and "allocate" not in str(e):
+            raise
+        raise ConfigError(f"the model (n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size="
+                          f"{config.vocab_size}) does not fit in {device}'s memory; make it smaller") from None
+
+
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated since) to forward_sync_buffers; older torch has only the first
+NO_BUFFER_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+    else "broadcast_buffers"

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from model import GPTConfig
 from nanonorm.guards import Dist, agreed
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
@@ -169,6 +170,25 @@ def resume_model_args(cfg: TrainConfig, model_args: dict, task, checkpoint: dict
                           "checkpoint's model and data layout (only dropout may change); drop those settings "
                           "or start a new run with another --out_dir")
     return {**saved, **{k: v for k, v in model_args.items() if k == "dropout"}}
+
+
+def model_config(cfg: TrainConfig, model_args: dict, task, checkpoint: dict | None) -> GPTConfig:
+    """The model's config: the task's defaults under the config's keys or, resumed, the checkpoint's (checked
+    first); an impossible value or a vocabulary smaller than the data's is a ConfigError."""
+    if checkpoint is not None:
+        model_args = resume_model_args(cfg, model_args, task, checkpoint)
+    else:
+        model_args = {**task.model_defaults, **model_args}
+    try:
+        gptconf = GPTConfig(**model_args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    except TypeError as e:  # a key GPTConfig lacks: the checkpoint's (the config's keys are checked)
+        raise foreign_checkpoint(cfg.out_dir, e) from None
+    if cfg.task == "lm" and gptconf.vocab_size < task.data.vocab_size:
+        raise ConfigError(f"vocab_size={gptconf.vocab_size} is smaller than the dataset's vocabulary of "
+                          f"{task.data.vocab_size} tokens; drop --vocab_size (the data sets it) or raise it")
+    return gptconf
 
 
 def load_weights(model: torch.nn.Module, checkpoint: dict, out_dir: str) -> None:

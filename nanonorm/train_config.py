@@ -381,3 +381,34 @@ def accumulation_per_rank(cfg: TrainConfig, world_size: int) -> int:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be divisible by "
                           f"the number of processes ({world_size}); it is the global count, split among them")
     return cfg.gradient_accumulation_steps // world_size
+
+
+def autocast_dtype(cfg: TrainConfig, device: str) -> torch.dtype:
+    """The config's dtype; auto: bf16 on a GPU that has it, else fp16 (with a loss scaler), float32 on a CPU."""
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def lr_multiplier(cfg: TrainConfig, it: int) -> float:
+    """Linear warmup, then down to min_lr/learning_rate at lr_decay_iters, and flat after it.
+
+    cosine: nanoGPT's cosine decay over [warmup_iters, lr_decay_iters].
+    wsd: warmup, stable, decay (Bir et al.'s schedule: 2% warmup, constant, linear decay over the
+    last 10%): flat until lr_decay_iters - cooldown_iters, then linear to the floor.
+    """
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    if it < cfg.warmup_iters:
+        return (it + 1) / (cfg.warmup_iters + 1)
+    floor = cfg.min_lr / cfg.learning_rate
+    if it >= cfg.lr_decay_iters:
+        return floor
+    if cfg.lr_schedule == "wsd":
+        start = max(cfg.warmup_iters, cfg.lr_decay_iters - cfg.cooldown_iters)
+        progress = max(0, it - start) / max(1, cfg.lr_decay_iters - start)
+        return 1.0 - progress * (1.0 - floor)
+    progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - floor)

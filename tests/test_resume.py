@@ -665,8 +665,8 @@ def test_a_lost_rank_is_told_in_one_line(monkeypatch, capsys, gloo_says, told):
     def lost(*args):
         raise RuntimeError(gloo_says)
 
-    monkeypatch.setattr(train, "setup_distributed", lambda cfg: (guards.Dist(1, 1, 2), "cpu"))
-    monkeypatch.setattr(train, "claim_out_dir", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr(train.guards, "setup_distributed", lambda cfg: (guards.Dist(1, 1, 2), "cpu"))
+    monkeypatch.setattr(train.guards, "claim_out_dir", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(train, "run", lost)
     monkeypatch.setattr(sys, "argv", ["train.py", "--dist_timeout=7"])
     with pytest.raises(SystemExit) as exit_info:
@@ -737,14 +737,14 @@ def test_a_stop_after_skipped_batches_keeps_the_last_evaluated_checkpoint(data_d
 def test_a_stop_during_setup_exits_before_training(data_dir, tmp_path, monkeypatch, capsys):
     """SIGTERM while the task is built (the ICL task's eval sets can take minutes): exit 4 before the first
     iteration, with nothing written."""
-    make_task = train.make_task
+    make_task = train.lm_task.make_task
 
     def signalled(*args):
         os.kill(os.getpid(), signal.SIGTERM)
         return make_task(*args)
 
     out = str(tmp_path / "run")
-    monkeypatch.setattr(train, "make_task", signalled)
+    monkeypatch.setattr(train.lm_task, "make_task", signalled)
     assert train.train(tiny_run_args(data_dir, out)) == guards.EXIT_STOPPED
     assert not os.path.exists(out)  # nothing written: the folder it created goes
     assert "SIGTERM: stopped during setup, before the first iteration" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from conftest import ROOT, tiny_run_args
 
 import sample
 import train
-from nanonorm import lm_task, run_files
+from nanonorm import lm_task, run_files, train_config
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -160,7 +160,7 @@ def test_every_optimizer_trains_on_the_embedded_corpus(data_dir, tmp_path, optim
 
 def test_cosine_schedule_warms_up_then_decays_to_min_lr():
     cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
-    mult = [train.lr_multiplier(cfg, it) for it in range(130)]
+    mult = [train_config.lr_multiplier(cfg, it) for it in range(130)]
     assert mult[0] == pytest.approx(1 / 11) and mult[9] == pytest.approx(10 / 11)
     assert mult[10] == pytest.approx(1.0)  # the peak right after the warmup
     assert mult[60] == pytest.approx(0.55)  # halfway: floor + (1 - floor) / 2
@@ -172,7 +172,7 @@ def test_wsd_schedule_is_flat_then_decays_linearly_over_the_cooldown():
     # Bir et al.: 2% warmup, constant, linear decay to 0 over the last 10%
     cfg = train.TrainConfig(learning_rate=1.0, min_lr=0.0, lr_schedule="wsd", warmup_iters=20,
                             lr_decay_iters=1000, cooldown_iters=100)
-    mult = [train.lr_multiplier(cfg, it) for it in range(1001)]
+    mult = [train_config.lr_multiplier(cfg, it) for it in range(1001)]
     assert mult[19] < 1 and all(m == 1.0 for m in mult[20:901])
     assert mult[950] == pytest.approx(0.5) and mult[1000] == 0.0
     steps = [a - b for a, b in zip(mult[900:], mult[901:], strict=False)]

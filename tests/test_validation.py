@@ -165,7 +165,7 @@ def test_resume_refuses_its_dataset_prepared_again_from_other_text(tmp_path, tex
 def test_min_lr_above_learning_rate_is_fine_without_decay():
     """A constant schedule never reaches min_lr (the setting only prints its no-effect warning)."""
     cfg, _ = train.load_config(["--lr_schedule=constant", "--learning_rate=1e-3", "--min_lr=1e-2"])
-    assert cfg.min_lr == 1e-2 and train.lr_multiplier(cfg, 10) == 1.0
+    assert cfg.min_lr == 1e-2 and train_config.lr_multiplier(cfg, 10) == 1.0
 
 
 @pytest.mark.parametrize("text", ["{[1]: 2}", "+" * 5000 + "1"], ids=["unhashable key", "too deep to parse"])
