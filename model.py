@@ -998,6 +998,14 @@ class GPT(nn.Module):
             if module is not self and hasattr(module, "constrain_"):
                 module.constrain_()
 
+    @torch.no_grad()
+    def forget_step(self) -> None:
+        """What the step's forwards recorded for its constraints (QK-Clip's logit maxima), dropped when its update is
+        skipped."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "forget_step"):
+                module.forget_step()
+
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; by default without position embeddings and an untied token embedding (lookups)."""
         n = sum(p.numel() for p in self.parameters())

@@ -19,7 +19,6 @@ import contextlib
 import math
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -76,7 +75,7 @@ def forward_backward(model: torch.nn.Module, task: Task, ddp: Dist, accum: int, 
         torch.manual_seed(lm_task.dropout_seed(seed, it, k))
         batch = task.train_batch(it, k)
         sync = micro == accum - 1 or ddp.world_size == 1
-        with (nullcontext() if sync else model.no_sync()), autocast:
+        with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
             loss = task.loss(model, batch) / accum
         scaler.scale(loss).backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -166,7 +165,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         return guards.EXIT_STOPPED
     dtype = train_config.autocast_dtype(cfg, device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
-    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    autocast = contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     if device_type == "cuda":  # float32 matmuls on TF32 tensor cores
         torch.set_float32_matmul_precision("high")
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
@@ -284,6 +283,7 @@ def evaluate_and_save(s: LoopState) -> int | None:
 def skip_batch(s: LoopState) -> int | None:
     """Drop this batch's update (skip_nonfinite); more than skip_nonfinite skipped ends the run as diverged."""
     s.optimizer.zero_grad(set_to_none=True)
+    s.raw_model.forget_step()  # no record of the dropped batch reaches the next step's QK-Clip
     if s.scaler.is_enabled():
         s.scaler.update()  # closes the unscale_ before the check (and lowers the fp16 loss scale)
     s.skipped += 1

@@ -52,6 +52,11 @@ class QKClip(nn.Module):
         self.max_logit.copy_(torch.maximum(self.max_logit, top))
 
     @torch.no_grad()
+    def forget_step(self) -> None:
+        """Drop the record of a step whose update was skipped (a non-finite batch): the next step starts anew."""
+        self.max_logit.fill_(-math.inf)
+
+    @torch.no_grad()
     def constrain_(self) -> None:
         top = self.max_logit
         if dist.is_available() and dist.is_initialized() and not (top.device.type == "cpu"

@@ -369,6 +369,9 @@ def check_model_args(cfg: TrainConfig, model_args: dict) -> GPTConfig:
         raise ConfigError(f"dropout={config.dropout} must lie in [0, 1)")
     if not config.norm_eps > 0:  # (a negative one is refused by GPTConfig)
         raise ConfigError(f"norm_eps={config.norm_eps} must be positive: it keeps a norm's division away from 0")
+    if config.scheme.qk_clip is not None and cfg.optimizer == "manifold_muon":
+        raise ConfigError("qk_clip with optimizer=manifold_muon: QK-Clip shrinks W_q and W_k off the Stiefel manifold "
+                          "that Manifold Muon keeps them on, and its retraction undoes the clip; use one of the two")
     block_size = model_args.get("block_size")
     if cfg.task == "icl" and block_size is not None and block_size < 2 * cfg.icl_pairs:
         raise ConfigError(f"block_size={block_size} is shorter than a least-squares sequence "

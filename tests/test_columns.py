@@ -315,3 +315,138 @@ def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
 def test_impossible_settings_of_the_new_columns_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         GPTConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------- properties each column guarantees
+
+
+def scores_with_max(values: list[float], T: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, heads, T, T) scores whose largest causal entry in head h is values[h], and the causal mask."""
+    scores = torch.full((1, len(values), T, T), -5.0)
+    for h, value in enumerate(values):
+        scores[0, h, T - 1, 0] = value
+    return scores, torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def test_qk_clip_records_the_largest_logit_over_every_micro_batch_of_the_step():
+    """Kimi K2: S_h is the largest logit of the step, so a later micro-batch with smaller logits keeps the earlier
+    maximum (exact: a max of float32 values)."""
+    model = GPT(tiny(n_layer=1, overrides={"qk_clip": 1.0}))
+    clip = model.blocks[0].attn.sublayer.attend.clip
+    clip.record(*scores_with_max([7.0, 2.0]))
+    clip.record(*scores_with_max([3.0, 4.0]))
+    assert clip.max_logit.tolist() == [7.0, 4.0]
+
+
+def test_qk_clip_takes_the_largest_logit_over_all_ranks(monkeypatch):
+    """Every rank clips by the maximum over all ranks' records (an all-reduce with MAX), so all ranks' weights stay
+    equal: here another rank saw 9 in head 0, and head 0 is clipped by sqrt(tau / 9) on this rank too."""
+    tau = 1.0
+    model = GPT(tiny(n_layer=1, overrides={"qk_clip": tau}))
+    clip = model.blocks[0].attn.sublayer.attend.clip
+    clip.record(*scores_with_max([2.0, 0.5]))
+    other_rank = torch.tensor([9.0, 0.1])
+    seen = []
+
+    def all_reduce(t, op):
+        seen.append(op)
+        t.copy_(torch.maximum(t, other_rank))
+
+    monkeypatch.setattr(columns.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(columns.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(columns.dist, "all_reduce", all_reduce)
+    q = clip.projections[0].weight.detach().clone()
+    clip.constrain_()
+    assert seen == [columns.dist.ReduceOp.MAX]
+    rows = q.shape[0] // 2
+    torch.testing.assert_close(clip.projections[0].weight[:rows], q[:rows] * math.sqrt(tau / 9.0), rtol=1e-6, atol=0)
+    assert torch.equal(clip.projections[0].weight[rows:], q[rows:])  # head 1: 0.5 locally, 0.1 elsewhere, below tau
+
+
+def test_a_skipped_step_leaves_no_qk_clip_record_behind():
+    """A batch skipped as non-finite (skip_nonfinite) drops its recorded maxima: the next step's clip sees only its
+    own forwards. train.skip_batch is what the loop calls for such a batch."""
+    import types
+
+    import train
+
+    model = GPT(tiny(n_layer=2, overrides={"qk_clip": 1.0}))
+    model(tokens(), tokens())  # a training forward records each head's largest logit
+    clips = [b.attn.sublayer.attend.clip for b in model.blocks]
+    assert all(torch.isfinite(c.max_logit).all() for c in clips)
+    s = types.SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), raw_model=model,
+                              scaler=torch.amp.GradScaler("cpu", enabled=False), skipped=0,
+                              cfg=types.SimpleNamespace(skip_nonfinite=5))
+    assert train.skip_batch(s) is None and s.skipped == 1
+    assert all(torch.equal(c.max_logit, torch.full_like(c.max_logit, -math.inf)) for c in clips)
+
+
+def test_qk_clip_with_manifold_muon_is_refused(data_dir, tmp_path):
+    """The clip shrinks W_q, W_k off the Stiefel manifold and the retraction pulls them back: neither holds."""
+    from conftest import tiny_run_args
+
+    import train
+
+    with pytest.raises(train.ConfigError, match="qk_clip with optimizer=manifold_muon"):
+        train.train(tiny_run_args(data_dir, str(tmp_path / "run"), qk_clip=10.0, optimizer="manifold_muon"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_block_mixes_the_first_blocks_values_not_the_previous_blocks():
+    """ResFormer: v_1 is the first block's values for every later block, never a later block's mixed values."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=3, overrides={"value_residual": True}))
+    attns = [b.attn.sublayer for b in model.blocks]
+    with torch.no_grad():
+        for attn in attns[1:]:
+            attn.value_residual.lam.fill_(0.25)
+    inputs = inputs_of(attns, lambda: model(tokens()))
+    with torch.no_grad():
+        values = [attn.heads(x)[2] for attn, x in zip(attns, inputs, strict=True)]
+        ctx = {}
+        attns[0].value_residual(values[0], ctx)
+        mixed = [attn.value_residual(v, dict(ctx)) for attn, v in zip(attns[1:], values[1:], strict=True)]
+    for v, m in zip(values[1:], mixed, strict=True):  # float32: one multiply-add
+        torch.testing.assert_close(m, 0.25 * v + 0.75 * values[0], rtol=1e-6, atol=1e-7)
+    # and the model's own forward passes block 0's values, unchanged, to block 2
+    seen = []
+    hook = attns[2].value_residual.register_forward_hook(lambda mod, args, out: seen.append(args[1]["v1"]))
+    model(tokens())
+    hook.remove()
+    torch.testing.assert_close(seen[0], values[0], rtol=0, atol=0)
+
+
+def test_nanochat_x0_is_the_normalized_embedding():
+    """nanochat gpt.py: x = norm(wte(idx)); x0 = x. Its x0 has RMS 1 per token (a parameter-free RMSNorm; 1e-3
+    allows for the norm's eps against embeddings of RMS ~0.8)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(norm_scheme="nanochat", norm="rmsnorm", mlp="relu2", pos="rope", bias=False))
+    seen = []
+    hook = model.blocks[1].register_forward_pre_hook(lambda mod, args: seen.append(args[1]["x0"]))
+    model(tokens())
+    hook.remove()
+    rms = seen[0].square().mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), rtol=0, atol=1e-3)
+
+
+def test_the_streams_are_summed_at_the_end():
+    """Zhu et al. §3: the last hidden matrix summed over its rows (the n streams), not averaged."""
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(columns.reduce(columns.expand(x, 4)), 4 * x, rtol=0, atol=0)
+
+
+def test_mhc_write_is_two_sigmoids_and_its_mix_is_gated_by_its_own_gate():
+    """mHC: H_post = 2 sigmoid(a_post x phi_post + b_post), in (0, 2) and 1 at init; H_res's logits take a_res, not
+    the read gate a_pre: with a_res = 0, H_res is Sinkhorn(b_res) whatever a_pre and phi are."""
+    torch.manual_seed(0)
+    conn = HyperConnection("mhc", 4, 8, 0, 1e-5)
+    H = torch.randn(2, 3, 4, 8)
+    read, mix, write = conn.coefficients(H)
+    torch.testing.assert_close(write, torch.ones_like(write), rtol=0, atol=0)  # 2 sigmoid(0) = 1 exactly
+    with torch.no_grad():
+        conn.proj.normal_(0, 0.2)  # logits of std ~1 over the 32 normalized inputs
+        conn.gates.copy_(torch.tensor([3.0, 1.0, 0.0]))
+    read, mix, write = conn.coefficients(H)
+    assert (write > 0).all() and (write < 2).all() and write.max() > 1.2 and write.min() < 0.8
+    expected = sinkhorn_knopp(conn.bias[8:].view(4, 4)).expand_as(mix)
+    torch.testing.assert_close(mix, expected, rtol=0, atol=0)
