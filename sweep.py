@@ -45,7 +45,8 @@ crashed. The same command continues a sweep: runs evaluated at max_iters (or div
 (another config or one edited since, other --set values: another sweep's run), or whose checkpoint was
 trained on other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the
 sweep stops and names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
-twice is refused, and so is --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
+twice is refused, and so is a key in two --grid or --set flags (alone or tied by +), a --set of the rate --lr_grid
+sweeps, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
 summaries are written whole or not at all.
 A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
 run folder in use by another process (a train.py started by hand) stops the sweep before anything starts.
@@ -129,13 +130,20 @@ def is_positive_number(text: str) -> bool:
 
 
 def parse_assignments(items: list[str], flag: str) -> dict[str, str]:
-    pairs = {}
+    """{key: value} of key=value items; a key given twice, alone or tied to others (a+b=...), is refused: the run
+    would train with one value while its folder is named after both."""
+    pairs: dict[str, str] = {}
+    owner: dict[str, str] = {}  # each single key -> the item key it came in
     for item in items:
         key, sep, value = item.partition("=")
         if not (key and sep and value):
             raise SweepError(f"cannot read {flag} {item!r}; write {flag} key=value")
-        if key in pairs:
-            raise SweepError(f"{flag} {key}= is given twice ({pairs[key]} and {value}); give each key once")
+        for part in key.split("+"):
+            if part in owner:
+                first = owner[part]
+                raise SweepError(f"{flag} {part}= is given twice ({first}={pairs.get(first, value)} and {key}={value})"
+                                 "; give each key once")
+            owner[part] = key
         pairs[key] = value
     return pairs
 
@@ -1500,8 +1508,14 @@ def run_command(args: argparse.Namespace) -> int:
             raise SweepError(f"{', '.join(sorted(both))} given by both --grid and --set; give each key once")
         lr_keys, lr_values = args.lr_keys.split("+"), None
         if args.lr_grid:
+            if len(set(lr_keys)) != len(lr_keys):
+                raise SweepError(f"--lr_keys {args.lr_keys} names a key twice; give each rate once")
             if set(lr_keys) & {k for key in grid for k in key.split("+")}:
                 raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
+            if lr_keys[0] in {k for key in fixed for k in key.split("+")}:
+                raise SweepError(f"--set {lr_keys[0]}: --lr_grid sets {lr_keys[0]} of every run, so this value would "
+                                 "be dropped; leave it out of --set (the other --lr_keys and min_lr keep their ratio "
+                                 "to it)")
             if "learning_rate" in lr_keys and "min_lr" in {k for key in grid for k in key.split("+")}:
                 raise SweepError("--grid min_lr: with --lr_grid, min_lr keeps its config ratio to learning_rate "
                                  "at every rate, whatever --grid says; leave it out of --grid, or give one value "
