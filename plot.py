@@ -27,7 +27,7 @@ import re
 import statistics
 import sys
 
-from runs import IGNORED_FLAGS, RunFileError, diverged_at, is_number, load_metrics, run_config
+from runs import IGNORED_FLAGS, RunFileError, distinct_folders, diverged_at, is_number, load_metrics, run_config
 
 
 class PlotError(RunFileError):
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logy", action="store_true", help="logarithmic y axis")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
     args = parser.parse_args(argv)
-    args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    args.out_dirs = distinct_folders([d for d in args.out_dirs if not os.path.isfile(d)])  # * lists summary.md
     try:
         print(f"wrote {plot_from_args(args)}")
     except RunFileError as e:  # PlotError, or a run's file that cannot be read

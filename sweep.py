@@ -30,7 +30,8 @@ verdict: trained at no rate". Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
 of another setup says what differs in place of a verdict. Its rows are described, not judged, unless --claim or
---row_claim states what their papers claim.
+--row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
+trailing slash, a symlink) is read once.
 
 Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
 grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
@@ -92,7 +93,7 @@ from run_files import (
     previous_run_files,
     write_atomically,
 )
-from runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
+from runs import IGNORED_FLAGS, RunFileError, distinct_folders, diverged_at, load_metrics, run_config
 from train_config import ConfigError, TrainConfig, exit_with, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -1365,9 +1366,10 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     (claim_for(point, claims); no claims: a description of each row, not a verdict), Holm-corrected over the
     table, on held-out seeds only (a seed that picked a rate never counts, see selection_seeds). A point of a
     sweep whose recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
-    differs. Points with the same settings in two roots are told apart by the root."""
+    differs. Points with the same settings in two roots are told apart by the root; a root given twice (another
+    spelling of one folder) is read once."""
     points = []
-    for root in roots:
+    for root in distinct_folders(roots):
         summary = read_lr_summary(root)
         keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
@@ -1389,6 +1391,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     base = next((p for p in points if baseline and matches(p, baseline)), None)
     if baseline and base is None:
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
+    check_claimed_rows(points, claims)
     table, tests = [], []
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p.get("val_loss_mean_std"),
@@ -1404,6 +1407,16 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
         table.append(row)
     add_verdicts(tests)
     return table
+
+
+def check_claimed_rows(points: list[dict], claims: list | None) -> None:
+    """Refuse a --row_claim that names no row of the leaderboard (a mistyped value would leave its row described,
+    not judged), listing the rows there are."""
+    for values, _, _ in (claims or [])[1:]:
+        if values and not any(matches(p, values) for p in points):
+            rows = "; ".join(dict.fromkeys(", ".join(f"{k}={p[k]}" for k in p["summary"]["keys"]) for p in points))
+            named = ",".join(f"{k}={v}" for k, v in values.items())
+            raise SweepError(f"--row_claim {named} matches no row of the leaderboard; its rows are: {rows}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,14 @@
 and data its sweep planned, a key or a root is taken once, a run that cannot be launched or a stop signal ends the
 sweep cleanly, and a preparation stopped by a full disk or Ctrl-C leaves the earlier data as it was."""
 
+import json
 import os
 
 import pytest
 from conftest import ROOT
+from test_sweep_rules import LOWER, POST, PRE, curve, lr_sweep
 
+import plot
 import sweep
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
@@ -41,3 +44,58 @@ def test_the_swept_rate_given_by_set_too_is_refused(tmp_path, capsys):
     one_line_error(capsys, "learning_rate", "--lr_grid")
     assert sweep.main([CONFIG, "--lr_keys", "learning_rate+learning_rate", *argv[3:]]) == 2  # a key twice
     one_line_error(capsys, "--lr_keys", "learning_rate")
+
+
+# ----------------------------------------------------------------------------- a root given once
+
+
+def test_a_leaderboard_root_given_twice_is_read_once(tmp_path, capsys):
+    """The same sweep by a trailing slash or a symlink is one sweep: its rows once, the baseline never against
+    itself, each comparison once in Holm's family."""
+    root = tmp_path / "a"
+    lr_sweep(root, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)})
+    os.symlink(root, tmp_path / "link")
+    once = sweep.leaderboard([str(root)], {"norm_scheme": "pre"}, LOWER)
+    for again in (f"{root}/", str(tmp_path / "link")):
+        board = sweep.leaderboard([str(root), again], {"norm_scheme": "pre"}, LOWER)
+        assert [row["label"] for row in board] == [row["label"] for row in once] == ["norm_scheme=pre",
+                                                                                     "norm_scheme=post"]
+        assert board[1]["verdict"] == once[1]["verdict"] and "Holm" not in board[1]["verdict"]  # a family of one
+    capsys.readouterr()
+    assert sweep.main(["--leaderboard", str(root), f"{root}/", "--baseline", "norm_scheme=pre"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "once" in line]
+    assert len(notes) == 1 and str(root) in notes[0], notes
+
+
+def test_a_leaderboard_row_claim_that_matches_no_row_is_refused(tmp_path, capsys):
+    """A mistyped --row_claim would leave its row described, not judged, without a word: refused, listing the
+    rows it could name."""
+    lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)})
+    argv = ["--leaderboard", str(tmp_path), "--baseline", "norm_scheme=pre"]
+    assert sweep.main([*argv, "--row_claim", "norm_scheme=postt:lower:0.05"]) == 2
+    one_line_error(capsys, "norm_scheme=postt", "norm_scheme=pre", "norm_scheme=post")
+    assert sweep.main([*argv, "--row_claim", "norm_scheme=post:lower:0.05"]) == 0
+
+
+def test_plot_reads_a_folder_given_twice_once(tmp_path, monkeypatch, capsys):
+    """A run named twice (out/sweep/*/ beside out/sweep/a) would count twice in its seeds' mean; a sweep named
+    twice would draw its curves twice."""
+    configs = {}
+    for scheme, seed, ys in (("pre", 1, [4.0, 2.0]), ("pre", 2, [4.0, 3.0]), ("post", 1, [4.0, 3.5])):
+        run = tmp_path / f"{scheme}{seed}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "eval", "iter": 50 * i, "val_loss": y}) + "\n"
+                                                   for i, y in enumerate(ys)))
+        configs[str(run)] = {"norm_scheme": scheme, "seed": seed}
+    runs = list(configs)
+    monkeypatch.setattr(plot, "run_config", lambda d: configs[os.path.normpath(d)])
+    assert plot.main([*runs, f"{runs[0]}/", "--seed_means", "--out", str(tmp_path / "runs.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("once") == 1 and runs[0] in out, out
+    fig = plot.draw(plot.distinct_folders([*runs, f"{runs[0]}/"]), ["val_loss"], seed_means=True)
+    means = {line.get_label(): line.get_ydata().tolist() for line in fig.axes[0].get_lines()
+             if "mean" in line.get_label()}
+    assert means["norm_scheme=pre (mean of 2 seeds)"] == pytest.approx([4.0, 2.5])
+    lr_sweep(tmp_path / "lr", {"pre": curve("1e-3", PRE)})
+    merged = plot.load_lr_sweeps(plot.distinct_folders([str(tmp_path / "lr"), f"{tmp_path / 'lr'}/"]))
+    assert len(merged["lr_points"]) == 1
