@@ -43,9 +43,10 @@ the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last ev
 run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
 crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless
 --rerun, an unfinished run with a checkpoint resumes. A run folder whose run.json records other settings
-(another config or one edited since, other --set values: another sweep's run), or whose checkpoint was
-trained on other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the
-sweep stops and names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
+(another config or one edited since, other --set values: another sweep's run), whose checkpoint was trained
+with other settings than the sweep plans (resumed by hand with other flags; a larger max_iters is fine), or on
+other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the sweep stops and
+names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
 twice is refused, and so is a key in two --grid or --set flags (alone or tied by +), a --set of the rate --lr_grid
 sweeps, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
 summaries are written whole or not at all.
@@ -93,7 +94,15 @@ from run_files import (
     previous_run_files,
     write_atomically,
 )
-from runs import IGNORED_FLAGS, RunFileError, distinct_folders, diverged_at, load_metrics, run_config
+from runs import (
+    IGNORED_FLAGS,
+    TASK_MODEL_KEYS,
+    RunFileError,
+    distinct_folders,
+    diverged_at,
+    load_metrics,
+    run_config,
+)
 from train_config import ConfigError, TrainConfig, exit_with, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -225,6 +234,8 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         if state != "new":
             check_same_run(out_dir, argv, settings)
             check_same_data(out_dir, cfg)
+            check_trained_settings(out_dir, {k: v for k, v in settings.items()
+                                             if k not in TASK_MODEL_KEYS or k in model_args})
         if state == "resume":
             argv.append("--init_from=resume")
         elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
@@ -303,18 +314,47 @@ def check_same_data(out_dir: str, cfg: TrainConfig) -> None:
                          f"{', '.join(changed)}); --rerun runs it again on this data, or prepare the data as it was")
 
 
+def saved_checkpoints(out_dir: str) -> list[tuple[str, dict]]:
+    """(path, contents) of the checkpoints a resumed run starts from (ckpt.pt, ckpt_last.pt), those there are."""
+    found = []
+    for path in (os.path.join(out_dir, n) for n in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME)):
+        if not os.path.exists(path):
+            continue
+        try:  # mmap: the small dicts are read, not the weights
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
+            raise SweepError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move the run away, "
+                             "or --rerun to run it again") from None
+        found.append((path, saved if isinstance(saved, dict) else {}))
+    return found
+
+
 def saved_data_meta(out_dir: str) -> dict | None:
     """The meta.json of the data a run trained on, as its checkpoint saved it; None without one."""
-    path = next((p for p in (os.path.join(out_dir, n) for n in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME))
-                 if os.path.exists(p)), None)
-    if path is None:
-        return None
-    try:  # mmap: the small dicts are read, not the weights
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("data_meta")
-    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
-        raise SweepError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move the run away, or "
-                         "--rerun to run it again") from None
+    saved = next((c.get("data_meta") for _, c in saved_checkpoints(out_dir)), None)
     return saved if isinstance(saved, dict) else None
+
+
+def check_trained_settings(out_dir: str, planned: dict) -> None:
+    """Refuse to skip or resume a run whose checkpoints say it trained with other settings than this sweep plans
+    (`planned`: its resolved settings, but for the model keys the task fills in): resumed or run again by hand with
+    other flags, while its run.json still records the sweep's. A larger max_iters is a run trained on past the
+    sweep's, which counts at the sweep's (summarize)."""
+    for path, saved in saved_checkpoints(out_dir):
+        if not isinstance(saved.get("config"), dict):
+            continue
+        trained = json.loads(json.dumps({**(saved.get("model_args") or {}), **saved["config"]}, default=str))
+        differ = [f"{k}={v} here, {trained[k]} in {os.path.basename(path)}" for k, v in planned.items()
+                  if k in trained and trained[k] != v and not (k == "max_iters" and past(trained[k], v))]
+        if differ:
+            raise SweepError(f"{out_dir} was trained with other settings than this sweep plans ({'; '.join(differ)}): "
+                             "resumed or run by hand with other flags; give another --out_root, or --rerun to run it "
+                             "again with these settings (its files are replaced)")
+
+
+def past(trained: object, planned: object) -> bool:
+    """Whether a run's max_iters lies beyond the sweep's (both whole numbers)."""
+    return isinstance(trained, int) and isinstance(planned, int) and trained > planned
 
 
 def shared_settings(mine: dict, theirs: dict) -> tuple[dict, dict]:

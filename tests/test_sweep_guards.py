@@ -4,10 +4,11 @@ sweep cleanly, and a preparation stopped by a full disk or Ctrl-C leaves the ear
 
 import json
 import os
+import pathlib
 
 import pytest
 from conftest import ROOT
-from test_sweep_rules import LOWER, POST, PRE, curve, lr_sweep
+from test_sweep_rules import LOWER, POST, PRE, curve, finished_run, lr_sweep, recorded_settings, saved_settings
 
 import plot
 import sweep
@@ -99,3 +100,30 @@ def test_plot_reads_a_folder_given_twice_once(tmp_path, monkeypatch, capsys):
     lr_sweep(tmp_path / "lr", {"pre": curve("1e-3", PRE)})
     merged = plot.load_lr_sweeps(plot.distinct_folders([str(tmp_path / "lr"), f"{tmp_path / 'lr'}/"]))
     assert len(merged["lr_points"]) == 1
+
+
+# ----------------------------------------------------------------------------- a run counted with its own settings
+
+
+def test_a_run_trained_by_hand_with_other_settings_is_not_counted_as_the_sweeps(tmp_path, capsys):
+    """run.json records what the sweep launched; a run resumed by hand with other flags (its checkpoint says what it
+    trained with) is refused, finished or not, naming the folder and the keys that differ."""
+    fixed = {"max_iters": "4", "batch_size": "2", "learning_rate": "1e-3"}
+    [job] = sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))
+    run, by_hand = job["out_dir"], [*job["argv"], "--learning_rate=0.02", "--batch_size=8", "--init_from=resume"]
+    finished_run(run, job["argv"], settings=recorded_settings(job["argv"]))
+    command = [CONFIG, "--set", *(f"{k}={v}" for k, v in fixed.items()), "--seeds", "1", "--out_root", str(tmp_path)]
+    saved_settings(os.path.join(run, "ckpt.pt"), [*job["argv"], "--init_from=resume"])  # resumed by the sweep
+    assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))[0]["state"] == "finished"
+    saved_settings(os.path.join(run, "ckpt.pt"), [*job["argv"], "--max_iters=8"])  # trained on past max_iters
+    assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))[0]["state"] == "finished"
+    saved_settings(os.path.join(run, "ckpt.pt"), by_hand)
+    assert sweep.main(command) == 2
+    one_line_error(capsys, run, "learning_rate", "batch_size")
+    assert not os.path.exists(tmp_path / "summary.json")
+    pathlib.Path(run, "metrics.jsonl").write_text("")  # unfinished: resumed, it would go on from the other settings
+    saved_settings(os.path.join(run, "ckpt.pt"), [*job["argv"], "--init_from=resume"])
+    saved_settings(os.path.join(run, "ckpt_last.pt"), by_hand)
+    with pytest.raises(sweep.SweepError, match="learning_rate"):
+        sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))
+    assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path), rerun=True)[0]["state"] == "new"
