@@ -51,7 +51,10 @@ twice is refused, and so is a key in two --grid or --set flags (alone or tied by
 sweeps, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
 summaries are written whole or not at all.
 A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
-run folder in use by another process (a train.py started by hand) stops the sweep before anything starts.
+run folder in use by another process (a train.py started by hand) stops the sweep before anything starts. The
+sweep notes its dataset's fingerprint (resume.data_fingerprint: tokenizer, vocabulary, each split's token count
+and SHA-256) as it starts and its summary records it; a dataset prepared again while the sweep ran, or a run whose
+checkpoint names other data, stops it with exit 2 naming the runs, before anything is averaged.
 Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments,
 a result file that cannot be read or a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
 save their last iteration and stop (SIGTERM is passed on to them), nothing more starts, and the same command
@@ -84,7 +87,7 @@ from scipy import stats
 import prepare_data
 import train
 from model import GPTConfig
-from resume import SPLIT_FINGERPRINT, short
+from resume import data_fingerprint, fingerprint_changes
 from run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
@@ -240,7 +243,8 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
             argv.append("--init_from=resume")
         elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
             argv.append("--overwrite=True")
-        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings})
+        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings,
+                     "data": os.path.join(cfg.data_dir, cfg.dataset) if cfg.task == "lm" else None})
     return jobs
 
 
@@ -301,17 +305,59 @@ def check_same_data(out_dir: str, cfg: TrainConfig) -> None:
     digests its checkpoint saved against meta.json's now, as train.py compares them on resume."""
     path = os.path.join(cfg.data_dir, cfg.dataset)
     saved = saved_data_meta(out_dir) if cfg.task == "lm" else None
-    if not saved or not os.path.exists(os.path.join(path, "meta.json")):
+    now = dataset_fingerprint(path) if saved else None
+    if not saved or now is None:
         return
-    try:
-        now = prepare_data.load_meta(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise SweepError(str(e).replace("\n", " ")) from None
-    changed = [f"{k} {short(saved[k])} -> {short(now[k])}" for k in SPLIT_FINGERPRINT
-               if k in saved and k in now and saved[k] != now[k]]
+    changed = fingerprint_changes(data_fingerprint(saved), now)
     if changed:
         raise SweepError(f"{out_dir} was trained on other data than {path} holds now (prepared again since: "
                          f"{', '.join(changed)}); --rerun runs it again on this data, or prepare the data as it was")
+
+
+def dataset_fingerprint(path: str) -> dict | None:
+    """The data fingerprint (resume.data_fingerprint) of the dataset at path now; None where it is not prepared,
+    which its runs report themselves."""
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        return None
+    try:
+        return data_fingerprint(prepare_data.load_meta(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise SweepError(str(e).replace("\n", " ")) from None
+
+
+def data_fingerprints(jobs: list[dict]) -> dict[str, dict]:
+    """{dataset path: its data fingerprint} of the jobs' datasets as the sweep starts: what each run's result is
+    checked against (check_run_data) and the summary records."""
+    paths = dict.fromkeys(job["data"] for job in jobs if job.get("data"))
+    return {path: fp for path in paths if (fp := dataset_fingerprint(path)) is not None}
+
+
+def check_run_data(jobs: list[dict], start: dict[str, dict]) -> None:
+    """Refuse to summarize a sweep whose dataset was prepared again while it ran (meta.json no longer what it was at
+    the start), or whose runs' checkpoints name other data than the start's: their losses would be averaged with
+    those of another corpus. Nothing is deleted; the message names the runs trained on the other data."""
+    for path, before in start.items():
+        now = dataset_fingerprint(path)
+        changed = fingerprint_changes(before, now) if now is not None else ["meta.json removed"]
+        other = [job["out_dir"] for job in jobs if job.get("data") == path
+                 and (meta := saved_data_meta(job["out_dir"])) and fingerprint_changes(before, data_fingerprint(meta))]
+        if not (changed or other):
+            continue
+        what = [f"{path} was prepared again while the sweep ran ({', '.join(changed)})"] if changed else []
+        what += [f"{', '.join(other)} trained on other data than it held when the sweep started"] if other else []
+        raise SweepError(f"{'; '.join(what)}: runs on two corpora are not averaged together, and no summary was "
+                         "written. Prepare the data as it was and run the same command again, or run it with --rerun "
+                         "to train every run on the data there now")
+
+
+def recorded_data(fingerprints: dict[str, dict]) -> dict:
+    """What a summary records of its data: {dataset name: fingerprint}, by name so that a sweep moved to another
+    data_dir compares equal (a name met twice with other data is kept under its path)."""
+    named: dict[str, dict] = {}
+    for path, fp in fingerprints.items():
+        name = os.path.basename(os.path.normpath(path))
+        named[name if named.get(name, fp) == fp else path] = fp
+    return {"data_fingerprint": named} if named else {}
 
 
 def saved_checkpoints(out_dir: str) -> list[tuple[str, dict]]:
@@ -644,24 +690,27 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
             print(shlex.join(["python", "train.py", *job["argv"]]))
     if dry_run:
         return []
+    data = data_fingerprints(todo)
     execute(pending, workers, threads)
+    check_run_data(todo, data)
     rows = summarize_jobs(todo, extra)
     write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
                   f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
-                  NO_VERDICT if baseline else None)
+                  NO_VERDICT if baseline else None, recorded_data(data))
     return rows
 
 
 def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
-                  extra: list[str] = (), note: str | None = None):
-    """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json."""
+                  extra: list[str] = (), note: str | None = None, recorded: dict | None = None):
+    """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json, with
+    `recorded` (the data the runs trained on)."""
     run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", *extra, "diverged_at",
                    "exit_code", "wall_s", "ms_per_iter"]
     text = "\n\n".join([format_table(rows, run_columns),
                         format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"]),
                         *([note] if note else [])])
     print("\n" + text)
-    write_summary_files(out_root, title, text, {"runs": rows, "grid_points": points})
+    write_summary_files(out_root, title, text, {**(recorded or {}), "runs": rows, "grid_points": points})
 
 
 def write_summary_files(out_root: str, title: str, text: str, data: dict) -> None:
@@ -1034,7 +1083,9 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
         for job in pending:
             print(shlex.join(["python", "train.py", *job["argv"]]))
         return []
+    data = data_fingerprints(first)
     execute(pending, workers, threads)
+    check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
     first_rows = summarize_jobs(first, extra)
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     choice = []
@@ -1045,13 +1096,14 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
                                  fixed, out_root, rerun, (lr_key, ratios))]
     execute([job for job in rest if job["state"] != "finished"], workers, threads)
+    check_run_data(first + rest, data)
     rest_rows = summarize_jobs(rest, extra)
     table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claims, select)
     write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
                      f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
                      + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
                      + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                     {"select_seeds": select, "held_out_seeds": seeds,
+                     {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
                       **({"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
                           "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})})
     return table

@@ -3,14 +3,18 @@ and data its sweep planned, a key or a root is taken once, a run that cannot be 
 sweep cleanly, and a preparation stopped by a full disk or Ctrl-C leaves the earlier data as it was."""
 
 import json
+import math
 import os
 import pathlib
+import re
 
 import pytest
+import torch
 from conftest import ROOT
 from test_sweep_rules import LOWER, POST, PRE, curve, finished_run, lr_sweep, recorded_settings, saved_settings
 
 import plot
+import prepare_data
 import sweep
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
@@ -127,3 +131,59 @@ def test_a_run_trained_by_hand_with_other_settings_is_not_counted_as_the_sweeps(
     with pytest.raises(sweep.SweepError, match="learning_rate"):
         sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path))
     assert sweep.plan_runs(CONFIG, {}, [1], fixed, str(tmp_path), rerun=True)[0]["state"] == "new"
+
+
+# ----------------------------------------------------------------------------- a sweep's runs on one corpus
+
+
+def prepared(data_dir, text: str, force: bool = False) -> str:
+    """data_dir/corpus_char prepared from `text` (its vocabulary and token files); its path."""
+    corpus = pathlib.Path(data_dir).parent / f"corpus_{abs(hash(text))}.txt"
+    corpus.write_text(text)
+    return prepare_data.prepare("corpus", tokenizer="char", data_dir=str(data_dir), force=force, input=str(corpus))
+
+
+TEXT_A = "the quick brown fox jumps over the lazy dog\n" * 40
+TEXT_B = "pack my box with five dozen liquor jugs now\n" * 40
+
+
+def trains_on_what_meta_says(dataset: str, after_first=None):
+    """A stand-in for sweep.launch: the run trains on what the dataset's meta.json holds when it starts, as train.py
+    does (its checkpoint saves that meta), and ends evaluated at max_iters; `after_first` runs after the first run."""
+    calls = []
+
+    def launch(job: dict, threads: int) -> dict:
+        meta = prepare_data.load_meta(dataset)
+        os.makedirs(job["out_dir"], exist_ok=True)
+        loss = 2.0 + 0.01 * job["point"]["seed"] + abs(math.log10(float(job["settings"]["learning_rate"])) + 3)
+        evals = [{"kind": "eval", "iter": i, "val_loss": loss + 1.0 / (1 + i)}
+                 for i in (0, job["settings"]["max_iters"])]
+        pathlib.Path(job["out_dir"], "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+        torch.save({"data_meta": meta}, os.path.join(job["out_dir"], "ckpt.pt"))
+        info = {"point": job["point"], "argv": job["argv"], "exit_code": 0, "wall_s": 1.0, "threads": 1,
+                "settings": job["settings"]}
+        pathlib.Path(job["out_dir"], "run.json").write_text(json.dumps(info))
+        calls.append(job["out_dir"])
+        if len(calls) == 1 and after_first:
+            after_first()
+        return info
+
+    return launch
+
+
+@pytest.mark.parametrize("lr_grid", [[], ["--lr_grid", "1e-3,1e-2"]])
+def test_data_prepared_again_while_a_sweep_runs_is_not_averaged(tmp_path, capsys, monkeypatch, lr_grid):
+    """Seed 1 trains on corpus A, then the dataset is prepared again from corpus B and the later runs train on it:
+    the sweep refuses to summarize them together (exit 2), naming the runs trained on the other data."""
+    data = tmp_path / "data"
+    dataset = prepared(data, TEXT_A)
+    monkeypatch.setattr(sweep, "launch", trains_on_what_meta_says(dataset, lambda: prepared(data, TEXT_B, True)))
+    root = tmp_path / "sweep"
+    argv = [CONFIG, "--set", "max_iters=4", f"data_dir={data}", "dataset=corpus_char", "--seeds", "1,2",
+            "--out_root", str(root), "--jobs", "1", *lr_grid]
+    assert sweep.main(argv) == 2
+    err = one_line_error(capsys, "prepared again", str(data / "corpus_char"))
+    first = "learning_rate=1e-3,seed=0" if lr_grid else "seed=1"  # trained on corpus A, as the sweep started
+    later = [str(root / d) for d in os.listdir(root) if "=" in d and d != first]
+    assert later and all(d in err for d in later) and not re.search(re.escape(str(root / first)) + r"\b", err), err
+    assert not os.path.exists(root / "summary.json")
