@@ -232,12 +232,25 @@ def read_lr_sweep(root: str) -> dict:
         raise PlotError(str(e)) from None
 
 
+def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
+    """(root, summary) of `sweep.py --lr_grid` out_roots, refused (PlotError) when they trained on different data
+    (their recorded data fingerprints differ): their losses do not belong in one figure."""
+    import sweep
+
+    summaries = [(root, read_lr_sweep(root)) for root in roots]
+    try:
+        sweep.check_recorded_data(summaries)
+    except sweep.SweepError as e:
+        raise PlotError(str(e)) from None
+    return summaries
+
+
 def load_lr_sweeps(roots: list[str]) -> dict:
-    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
+    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json), trained on
+    the same data."""
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
     counts = set()
-    for root in roots:
-        summary = read_lr_sweep(root)
+    for root, summary in read_same_data(roots):
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -384,8 +397,7 @@ def draw_depth(roots: list[str], heading: str | None = None):
     from matplotlib.figure import Figure
 
     series: dict[str, dict[int, dict]] = {}
-    for root in roots:
-        summary = read_lr_sweep(root)
+    for root, summary in read_same_data(roots):
         keys = [k for k in summary["keys"] if k != "n_layer"]
         for point in summary["lr_points"]:
             depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))

@@ -29,7 +29,8 @@ the word is "inconclusive at this scale" and the table says why. An arm that tra
 verdict: trained at no rate". Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
-of another setup says what differs in place of a verdict. Its rows are described, not judged, unless --claim or
+of another setup says what differs in place of a verdict. Sweeps trained on different data (the data fingerprints
+their summaries record differ) are refused, naming both. Its rows are described, not judged, unless --claim or
 --row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
 trailing slash, a symlink) is read once.
 
@@ -1429,12 +1430,38 @@ def summary_type_error(summary: dict) -> str | None:
         if not (isinstance(r["seed"], int) and rate(r[lr_key]) and number(r["val_loss"]) and number(r.get("wall_s"))
                 and all(r[k] is None or isinstance(r[k], int) for k in ("diverged_at", "exit_code"))):
             return f"the run {r.get('out_dir', r)} has a seed, {lr_key}, loss, time or exit code of the wrong type"
-    for key, kind in (("setup", dict), ("settings", dict), ("swept", list), ("select_seeds", list)):
+    for key, kind in (("setup", dict), ("settings", dict), ("swept", list), ("select_seeds", list),
+                      ("data_fingerprint", dict)):
         if not isinstance(summary.get(key, kind()), kind):
             return f"{key} is not a {kind.__name__}"
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in summary.get("select_seeds", [])):
         return f"select_seeds {summary['select_seeds']!r} is not a list of seeds"
     return None
+
+
+def check_recorded_data(summaries: list[tuple[str, dict]]) -> None:
+    """Refuse to put sweeps trained on different data (their summaries' data_fingerprint: another dataset, or one
+    of the same name prepared from other text) in one table or figure, naming the first two that differ. A summary
+    written before summaries recorded the data is not checked, and a note says so."""
+    recorded = [(root, s["data_fingerprint"]) for root, s in summaries if s.get("data_fingerprint")]
+    for root, data in recorded[1:]:
+        first, first_data = recorded[0]
+        if data != first_data:
+            raise SweepError(f"{first} and {root} were trained on different data ({data_difference(first_data, data)})"
+                             ": their losses are not comparable; compare sweeps on one dataset, prepared from the "
+                             "same text")
+    unrecorded = [root for root, s in summaries if not s.get("data_fingerprint")]
+    if recorded and unrecorded:
+        print(f"note: {', '.join(unrecorded)} record no data fingerprint (summaries written before they did); "
+              "their data is not checked against the others'")
+
+
+def data_difference(a: dict, b: dict) -> str:
+    """How two summaries' recorded data differ: the datasets they name, or how one dataset's fingerprint changed."""
+    if set(a) != set(b):
+        return f"{', '.join(a)} against {', '.join(b)}"
+    return "; ".join(f"{name}: {', '.join(fingerprint_changes(a[name], b[name]) or ['other keys'])}"
+                     for name in a if a[name] != b[name])
 
 
 def setup_difference(summary: dict, base: dict) -> str | None:
@@ -1461,8 +1488,9 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     differs. Points with the same settings in two roots are told apart by the root; a root given twice (another
     spelling of one folder) is read once."""
     points = []
-    for root in distinct_folders(roots):
-        summary = read_lr_summary(root)
+    summaries = [(root, read_lr_summary(root)) for root in distinct_folders(roots)]
+    check_recorded_data(summaries)
+    for root, summary in summaries:
         keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
             runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]

@@ -187,3 +187,32 @@ def test_data_prepared_again_while_a_sweep_runs_is_not_averaged(tmp_path, capsys
     later = [str(root / d) for d in os.listdir(root) if "=" in d and d != first]
     assert later and all(d in err for d in later) and not re.search(re.escape(str(root / first)) + r"\b", err), err
     assert not os.path.exists(root / "summary.json")
+
+
+def lr_sweep_on(tmp_path, monkeypatch, name: str, scheme: str, text: str) -> str:
+    """An --lr_grid sweep of one scheme, its runs standing in for train.py, on a corpus_char prepared from `text` in
+    a data folder of its own; its out_root."""
+    data = tmp_path / f"data_{name}"
+    monkeypatch.setattr(sweep, "launch", trains_on_what_meta_says(prepared(data, text)))
+    root = str(tmp_path / name)
+    assert sweep.main([CONFIG, "--grid", f"norm_scheme={scheme}", "--set", "max_iters=4", f"data_dir={data}",
+                       "dataset=corpus_char", "--seeds", "1", "--lr_grid", "1e-3,1e-2", "--out_root", root]) == 0
+    return root
+
+
+def test_a_leaderboard_of_sweeps_on_other_text_is_refused(tmp_path, capsys, monkeypatch):
+    """Two sweeps on a dataset of one name prepared from other text (another vocabulary and other tokens) are not
+    compared: the leaderboard and the learning-rate figure exit 2 naming both; on the same text they are."""
+    pre = lr_sweep_on(tmp_path, monkeypatch, "pre", "pre", TEXT_A)
+    other = lr_sweep_on(tmp_path, monkeypatch, "other", "post", TEXT_B)
+    same = lr_sweep_on(tmp_path, monkeypatch, "same", "post", TEXT_A)
+    capsys.readouterr()
+    assert sweep.main(["--leaderboard", pre, other, "--baseline", "norm_scheme=pre"]) == 2
+    one_line_error(capsys, pre, other)
+    assert plot.main(["--lr_sweep", pre, other, "--out", str(tmp_path / "lr.png")]) == 2
+    one_line_error(capsys, pre, other)
+    assert plot.main(["--depth", pre, other, "--out", str(tmp_path / "depth.png")]) == 2
+    one_line_error(capsys, pre, other)
+    assert sweep.main(["--leaderboard", pre, same, "--baseline", "norm_scheme=pre"]) == 0
+    assert plot.main(["--lr_sweep", pre, same, "--out", str(tmp_path / "lr.png")]) == 0
+    assert plot.main(["--depth", pre, same, "--out", str(tmp_path / "depth.png")]) == 0
