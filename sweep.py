@@ -56,8 +56,12 @@ run folder in use by another process (a train.py started by hand) stops the swee
 sweep notes its dataset's fingerprint (resume.data_fingerprint: tokenizer, vocabulary, each split's token count
 and SHA-256) as it starts and its summary records it; a dataset prepared again while the sweep ran, or a run whose
 checkpoint names other data, stops it with exit 2 naming the runs, before anything is averaged.
-Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments,
-a result file that cannot be read or a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
+A grid value that would make a run folder's name longer than the file system takes is refused before anything
+starts. A run that cannot be launched or whose run.json cannot be written (an OSError: a full disk) is reported in
+its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
+Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
+launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or
+a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
 save their last iteration and stop (SIGTERM is passed on to them), nothing more starts, and the same command
 continues the sweep.
 """
@@ -218,6 +222,7 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         raise SweepError("sweep.py sets out_dir, init_from and overwrite itself; use --out_root and --rerun")
     if seeds and "seed" in grid:
         raise SweepError("give the seeds either by --seeds or by --grid seed=..., not both")
+    check_run_names(out_root, grid, seeds)
     jobs = []
     for point in expand_grid(grid, seeds):
         out_dir = os.path.join(out_root, run_name(point))
@@ -247,6 +252,39 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings,
                      "data": os.path.join(cfg.data_dir, cfg.dataset) if cfg.task == "lm" else None})
     return jobs
+
+
+RUN_FILE_ROOM = 64  # bytes a run's own file names take under its folder (ckpt_<iter>.pt.sha256.<pid>.tmp)
+
+
+def check_run_names(out_root: str, grid: dict[str, list], seeds: list[int] | None = None) -> None:
+    """Refuse a grid whose run folder names (or paths) are longer than the file system takes, before any run
+    starts: the run would fail to make its folder while the others went on."""
+    folder = os.path.abspath(out_root)
+    existing = folder
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    name_max, path_max = path_limit(existing, "PC_NAME_MAX", 255), path_limit(existing, "PC_PATH_MAX", 4096)
+    for point in expand_grid(grid, seeds):
+        name = run_name(point)
+        if len(name.encode()) > name_max:
+            key, value = max(point.items(), key=lambda kv: len(str(kv[1]).encode()))
+            shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:24]}..."
+            raise SweepError(f"the run folder of {key}={shown} would have a name of {len(name.encode())} bytes, over "
+                             f"the limit of {name_max} bytes a file name has here; give {key} a shorter value (a "
+                             "number in fewer digits), or fewer --grid keys. Nothing was started")
+        if len(os.path.join(folder, name).encode()) + RUN_FILE_ROOM > path_max:
+            raise SweepError(f"the run folder {os.path.join(folder, name)[:60]}... would have a path longer than the "
+                             f"{path_max} bytes a path may have here (with its files); give a shorter --out_root. "
+                             "Nothing was started")
+
+
+def path_limit(folder: str, name: str, default: int) -> int:
+    """os.pathconf(folder, name), or the default where the system does not say."""
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError, AttributeError):
+        return default
 
 
 def exact_text(x: float) -> str:
@@ -426,6 +464,31 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+class NotStarted(Exception):
+    """A run the sweep did not start, as an earlier one could not be launched or recorded."""
+
+
+class LaunchFailed(Exception):
+    """Runs that could not be launched, or whose run.json could not be written (an OSError: a full disk, a folder
+    that cannot be made): the sweep started nothing after the first. `left`: the out_dirs of the runs that did not
+    run to their end and be recorded."""
+
+    def __init__(self, failures: list[str], left: set[str]):
+        runs = f"{len(failures)} run{'s' * (len(failures) != 1)}"
+        super().__init__(f"{runs} could not be launched or recorded ({'; '.join(failures)}); nothing more was "
+                         "started, and the summary holds the runs that finished: fix the cause and run the same "
+                         "command to continue")
+        self.left = left
+
+    def kept(self, jobs: list[dict]) -> list[dict]:
+        """The jobs that ran to their end, or had before."""
+        return [job for job in jobs if job["out_dir"] not in self.left]
+
+    @property
+    def note(self) -> str:
+        return f"incomplete: {self}"
+
+
 class Children:
     """The train.py processes the sweep runs now, so that a stop signal reaches them and none starts after it."""
 
@@ -433,14 +496,17 @@ class Children:
         self._lock = threading.RLock()  # a signal handler runs in the main thread, maybe inside `stop`
         self._running: set[subprocess.Popen] = set()
         self.stopping: int | None = None  # the stop signal received
+        self.halted = False  # a run could not be launched or recorded: start no other
 
     def check_running(self) -> None:
-        """Interrupted if the sweep is stopping: nothing more starts."""
+        """Interrupted if the sweep is stopping, NotStarted after a failed launch: nothing more starts."""
         if self.stopping is not None:
             raise Interrupted(self.stopping)
+        if self.halted:
+            raise NotStarted
 
     def start(self, command: list[str], **options) -> subprocess.Popen:
-        """Popen(command), unless the sweep is stopping."""
+        """Popen(command), unless the sweep is stopping or halted."""
         with self._lock:
             self.check_running()
             process = subprocess.Popen(command, **options)
@@ -462,9 +528,14 @@ class Children:
         for process in running:
             process.send_signal(signum)  # a child that has just ended is skipped (Popen polls first)
 
+    def halt(self) -> None:
+        """Start no run after this one (the runs already running go on to their end)."""
+        with self._lock:
+            self.halted = True
+
     def reset(self) -> None:
         with self._lock:
-            self.stopping = None
+            self.stopping, self.halted = None, False
 
 
 CHILDREN = Children()
@@ -510,10 +581,32 @@ def code_version(where: str = os.path.dirname(TRAIN)) -> str | None:
 def launch(job: dict, threads: int) -> dict:
     """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions),
     the run's resolved settings and the code's commit to out_dir/run.json. A sweep stopping starts no run
-    (Interrupted)."""
+    (Interrupted). An OSError launching it or writing its run.json is returned as its "error", and no run starts
+    after it ({"not_started": True})."""
+    try:
+        info = run_to_end(job, threads)
+    except NotStarted:
+        return {"not_started": True}
+    except OSError as e:
+        CHILDREN.halt()
+        return {"error": f"could not be launched ({error_text(e)})"}
+    try:
+        write_atomically(os.path.join(job["out_dir"], "run.json"), json.dumps(info, indent=1).encode())
+    except OSError as e:
+        CHILDREN.halt()
+        return {**info, "error": f"its run.json could not be written ({error_text(e)})"}
+    return info
+
+
+def error_text(e: OSError) -> str:
+    """An OSError in a few words: what failed, on which file."""
+    return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
+
+
+def run_to_end(job: dict, threads: int) -> dict:
+    """Start one job's train.py and wait for it; what its run.json records."""
     CHILDREN.check_running()
     os.makedirs(job["out_dir"], exist_ok=True)
-    info_path = os.path.join(job["out_dir"], "run.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     say(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""))
     before = read_run_info(job["out_dir"]).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
@@ -525,7 +618,6 @@ def launch(job: dict, threads: int) -> dict:
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
             "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"],
             "commit": code_version()}  # the commit of the launch that finished it, when a run resumed
-    write_atomically(info_path, json.dumps(info, indent=1).encode())
     return info
 
 
@@ -650,23 +742,42 @@ def busy_runs(jobs: list[dict]) -> list[str]:
 
 def execute(pending: list[dict], workers: int, threads: int) -> None:
     """Run the jobs, `workers` at a time, printing each outcome as it comes. A run folder in use by another
-    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more."""
+    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run that
+    cannot be launched or recorded (an OSError) is reported in its line, nothing starts after it, and LaunchFailed
+    is raised once the running runs have ended."""
     if busy := busy_runs(pending):
         raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
                          "wait for it to end or stop it, then run the same command again. Nothing was started")
     CHILDREN.reset()
+    failures, left, done = [], set(), 0
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(launch, job, threads): job for job in pending}
         try:
-            for k, future in enumerate(as_completed(futures), 1):
+            for future in as_completed(futures):
                 job, info = futures[future], future.result()
-                outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
-                say(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
-                    + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""))
+                if "error" in info or "not_started" in info:
+                    left.add(job["out_dir"])
+                if "not_started" in info:
+                    continue
+                done += 1
+                if "error" in info:
+                    failures.append(f"{run_name(job['point'])}: {info['error']}")
+                say(f"[{done}/{len(pending)}] {run_name(job['point'])}: {outcome_text(job, info)}")
         except KeyboardInterrupt:
             CHILDREN.stop(signal.SIGINT, forward=False)  # Ctrl-C reached the runs too; a second one stops them unsaved
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
+    if failures:
+        raise LaunchFailed(failures, left)
+
+
+def outcome_text(job: dict, info: dict) -> str:
+    """How a run ended, as its line after it says: its outcome and time, or why it failed to launch or record."""
+    if "error" in info and "exit_code" not in info:
+        return info["error"]
+    outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
+    log = f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""
+    return f"{outcome} in {info['wall_s']:.1f} s{log}" + (f", but {info['error']}" if "error" in info else "")
 
 
 def summarize_jobs(jobs: list[dict], extra: list[str] | None = None) -> list[dict]:
@@ -692,13 +803,22 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
     if dry_run:
         return []
     data = data_fingerprints(todo)
-    execute(pending, workers, threads)
-    check_run_data(todo, data)
-    rows = summarize_jobs(todo, extra)
-    write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
-                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
-                  NO_VERDICT if baseline else None, recorded_data(data))
-    return rows
+
+    def finish(jobs: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(jobs, data)
+        rows = summarize_jobs(jobs, extra)
+        notes = "\n\n".join(n for n in (NO_VERDICT if baseline else None, note) if n) or None
+        write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
+                      f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [], notes,
+                      recorded_data(data))
+        return rows
+
+    try:
+        execute(pending, workers, threads)
+    except LaunchFailed as e:
+        finish(e.kept(todo), e.note)
+        raise
+    return finish(todo)
 
 
 def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
@@ -1075,6 +1195,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     workers, threads = parallelism(jobs, threads_per_run)
     if len(lr_values) < MIN_RATES and baseline:
         print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
+    check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
     first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
     print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
@@ -1085,29 +1206,40 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
             print(shlex.join(["python", "train.py", *job["argv"]]))
         return []
     data = data_fingerprints(first)
-    execute(pending, workers, threads)
-    check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
-    first_rows = summarize_jobs(first, extra)
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
-    choice = []
-    for point in points:
-        rows = [r for r in first_rows if matches(r, point)]
-        choice.append({**point, **pick_best(rows, lr_key, lr_values)})
-    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None
-            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
-                                 fixed, out_root, rerun, (lr_key, ratios))]
-    execute([job for job in rest if job["state"] != "finished"], workers, threads)
-    check_run_data(first + rest, data)
-    rest_rows = summarize_jobs(rest, extra)
-    table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claims, select)
-    write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
-                     f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
-                     + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                     {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
-                      **({"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
-                          "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})})
-    return table
+
+    def picked(first_jobs: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
+        rows = summarize_jobs(first_jobs, extra)
+        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values)} for p in points]
+
+    def finish(first_jobs: list[dict], rest_jobs: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(first_jobs + rest_jobs, data)
+        first_rows, choice = picked(first_jobs)
+        rows = first_rows + summarize_jobs(rest_jobs, extra)
+        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select)
+        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [],
+                         f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
+                         + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
+                         + f", rates picked on seeds {select}, held-out seeds {seeds}",
+                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
+                          **({"setup": run_setup(first[0]["argv"], len(seeds)),
+                              "settings": run_settings(first[0]["argv"]),
+                              "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]}
+                             if first else {})}, note)
+        return table
+
+    rest: list[dict] = []
+    try:
+        execute(pending, workers, threads)
+        check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
+        rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
+                for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
+                                     fixed, out_root, rerun, (lr_key, ratios))]
+        execute([job for job in rest if job["state"] != "finished"], workers, threads)
+    except LaunchFailed as e:
+        finish(e.kept(first), e.kept(rest), e.note)
+        raise
+    return finish(first, rest)
 
 
 def run_setup(argv: list[str], n_seeds: int) -> dict:
@@ -1308,16 +1440,17 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
 
 
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
-                     extra: list[str], title: str, recorded: dict) -> None:
-    """Print the run table and the per-point table; write both to out_root/summary.md and summary.json, with
-    `recorded` (the sweep's setup, its settings and the keys it sweeps: what --leaderboard compares)."""
+                     extra: list[str], title: str, recorded: dict, note: str | None = None) -> None:
+    """Print the run table and the per-point table (and the note under them); write both to out_root/summary.md and
+    summary.json, with `recorded` (the sweep's setup, its settings, the keys it sweeps and its data: what
+    --leaderboard compares)."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
     point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
                      *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
     text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
-                        f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
+                        f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all.", *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text,
                         {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
@@ -1668,6 +1801,15 @@ def run_command(args: argparse.Namespace) -> int:
     except (SweepError, ConfigError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LaunchFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # a reader that has gone (`| head`): exit_with ends it quietly
+        raise
+    except OSError as e:  # a summary or a run's file that cannot be written (a full disk) or read
+        print(f"error: {error_text(e)}; every run's files are kept: fix the cause and run the same command again "
+              "(finished runs are skipped)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print("interrupted: run the same command to continue the sweep", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Interrupted) else 130

@@ -2,6 +2,7 @@
 and data its sweep planned, a key or a root is taken once, a run that cannot be launched or a stop signal ends the
 sweep cleanly, and a preparation stopped by a full disk or Ctrl-C leaves the earlier data as it was."""
 
+import errno
 import json
 import math
 import os
@@ -216,3 +217,90 @@ def test_a_leaderboard_of_sweeps_on_other_text_is_refused(tmp_path, capsys, monk
     assert sweep.main(["--leaderboard", pre, same, "--baseline", "norm_scheme=pre"]) == 0
     assert plot.main(["--lr_sweep", pre, same, "--out", str(tmp_path / "lr.png")]) == 0
     assert plot.main(["--depth", pre, same, "--out", str(tmp_path / "depth.png")]) == 0
+
+
+# ----------------------------------------------------------------------------- a run that cannot be launched
+
+
+STUB_TRAIN = """import json, os, sys
+flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+iters = int(flags["max_iters"])
+with open(os.path.join(flags["out_dir"], "metrics.jsonl"), "w") as f:
+    for i in (0, iters):
+        f.write(json.dumps({"kind": "eval", "iter": i, "val_loss": 3.0 - i / iters}) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("flags", [["--grid", "learning_rate=0.001" + "0" * 260],
+                                   ["--lr_grid", "1e-3,0.003" + "0" * 260]])
+def test_a_run_folder_name_over_the_limit_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch, flags):
+    """A grid value that makes a run's folder name longer than the file system allows (255 bytes) is refused with
+    the value and the limit before any run starts, not found by the run that cannot make its folder."""
+    monkeypatch.setattr(sweep, "launch", lambda job, threads: pytest.fail(f"{job['out_dir']} was launched"))
+    root = tmp_path / "sweep"
+    assert sweep.main([CONFIG, *flags, "--set", "max_iters=4", "--seeds", "1", "--out_root", str(root)]) == 2
+    one_line_error(capsys, "learning_rate=0.00", "255")
+    assert [d for d in os.listdir(root) if not d.startswith(".")] == []
+
+
+def disk_full_at_seed_2(monkeypatch, root) -> str:
+    """seed=2's run.json cannot be written (the disk fills as it trains); the error it gets."""
+    write = sweep.write_atomically
+
+    def write_unless_seed_2(path: str, data: bytes) -> None:
+        if path.endswith(os.path.join("seed=2", "run.json")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, data)
+
+    monkeypatch.setattr(sweep, "write_atomically", write_unless_seed_2)
+    return os.strerror(errno.ENOSPC)
+
+
+def no_log_at_seed_2(monkeypatch, root) -> str:
+    """seed=2's train.log cannot be opened (a folder of that name is in the way): the run cannot be launched."""
+    os.makedirs(root / "seed=2" / "train.log")
+    return os.strerror(errno.EISDIR)
+
+
+@pytest.mark.parametrize("failure", [disk_full_at_seed_2, no_log_at_seed_2])
+def test_a_run_that_cannot_be_launched_stops_the_sweep_with_the_summary_of_what_finished(tmp_path, capsys,
+                                                                                           monkeypatch, failure):
+    """Seed 2 cannot be launched or recorded: it is reported as failed in its own line, seed 3 never starts, the
+    summary holds seed 1, and the sweep exits 1 with one line, no traceback."""
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB_TRAIN)
+    monkeypatch.setattr(sweep, "TRAIN", str(stub))
+    root = tmp_path / "sweep"
+    reason = failure(monkeypatch, root)
+    argv = [CONFIG, "--set", "max_iters=4", "--seeds", "1,2,3", "--out_root", str(root), "--jobs", "1"]
+    assert sweep.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "seed=2" in err and reason in err, err
+    [reported] = [line for line in out.splitlines() if line.startswith("[") and "seed=2" in line]  # its own line
+    assert reason in reported, reported
+    assert not os.path.exists(root / "seed=3")  # never launched
+    summary = json.loads((root / "summary.json").read_text())
+    assert [(r["seed"], r["val_loss"]) for r in summary["runs"]] == [(1, 2.0)]
+
+
+def test_a_summary_that_cannot_be_written_exits_with_one_line(tmp_path, capsys, monkeypatch):
+    """The disk fills as the summary is written: one line saying so (exit 1); the runs and the earlier summary stay."""
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB_TRAIN)
+    monkeypatch.setattr(sweep, "TRAIN", str(stub))
+    root = tmp_path / "sweep"
+    argv = [CONFIG, "--set", "max_iters=4", "--seeds", "1", "--out_root", str(root)]
+    assert sweep.main(argv) == 0
+    before = (root / "summary.json").read_bytes()
+
+    write = sweep.write_atomically
+
+    def disk_full_at_the_summary(path: str, data: bytes) -> None:
+        if os.path.basename(path).startswith("summary"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, data)
+
+    monkeypatch.setattr(sweep, "write_atomically", disk_full_at_the_summary)
+    assert sweep.main([*argv, "--rerun"]) == 1
+    one_line_error(capsys, os.strerror(errno.ENOSPC), "summary")
+    assert (root / "summary.json").read_bytes() == before and os.path.exists(root / "seed=1" / "metrics.jsonl")
