@@ -61,9 +61,10 @@ starts. A run that cannot be launched or whose run.json cannot be written (an OS
 its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
 Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
 launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or
-a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
-save their last iteration and stop (SIGTERM is passed on to them), nothing more starts, and the same command
-continues the sweep.
+a run folder in use; 130 on Ctrl-C or SIGINT, 143 on SIGTERM, 129 on SIGHUP (a closed terminal), to the sweep
+alone or its process group: the sweep passes it on to its running runs as SIGTERM, on which they save their last
+iteration and stop, waits for them (however many signals follow: no run is left running), starts
+nothing more, and the same command continues the sweep.
 """
 
 from __future__ import annotations
@@ -457,7 +458,7 @@ def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]
 
 
 class Interrupted(KeyboardInterrupt):
-    """A stop signal other than SIGINT reached the sweep: it stops as Ctrl-C stops it."""
+    """A stop signal reached the sweep: it stops as Ctrl-C stops it, with the signal's exit code (128 + signum)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -520,13 +521,13 @@ class Children:
             with self._lock:
                 self._running.discard(process)
 
-    def stop(self, signum: int, forward: bool = True) -> None:
-        """Start nothing more, and send signum to the running children if `forward`."""
+    def stop(self, signum: int) -> None:
+        """Start nothing more, and pass the stop signal on to the running children (FORWARDED)."""
         with self._lock:
             self.stopping = signum if self.stopping is None else self.stopping
-            running = list(self._running) if forward else []
+            running = list(self._running)
         for process in running:
-            process.send_signal(signum)  # a child that has just ended is skipped (Popen polls first)
+            process.send_signal(FORWARDED.get(signum, signum))  # a child that has just ended is skipped (Popen polls)
 
     def halt(self) -> None:
         """Start no run after this one (the runs already running go on to their end)."""
@@ -541,23 +542,33 @@ class Children:
 CHILDREN = Children()
 
 
+# a stop signal to the sweep -> what its runs get: SIGTERM, on which train.py saves and stops however often it comes
+# (a second SIGINT would stop it unsaved, and Ctrl-C at the terminal has sent the runs one SIGINT already)
+FORWARDED = {signal.SIGINT: signal.SIGTERM, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+
+
 @contextlib.contextmanager
-def forwarding_sigterm() -> Iterator[None]:
-    """SIGTERM stops the sweep as Ctrl-C stops the process group: the running train.py runs get it (each saves
-    its last iteration and exits 4), nothing more starts, and Interrupted is raised; the sweep then waits for
-    the runs to end. The previous handler comes back on leaving."""
+def forwarding_stop_signals() -> Iterator[None]:
+    """A stop signal to the sweep (FORWARDED: Ctrl-C, or SIGINT, SIGTERM or SIGHUP sent to its process alone) stops
+    it: the running train.py runs get SIGTERM (each saves its last iteration and exits 4), nothing more starts, and
+    Interrupted is raised; the sweep then waits for the runs to end, so none is left running. A repeated signal
+    only reaches the runs again (a second Ctrl-C at the terminal still stops them at once, unsaved). A signal the
+    sweep was started ignoring (nohup, a background job) stays ignored. The previous handlers come back on leaving,
+    unless a stop signal came: the sweep is then ending, and a late one is ignored rather than cutting its exit
+    short."""
     def handle(signum: int, frame) -> None:
         first = CHILDREN.stopping is None
         CHILDREN.stop(signum)
-        if first:  # a second SIGTERM only reaches the children again
+        if first:
             raise Interrupted(signum)
 
     CHILDREN.reset()
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {s: signal.signal(s, handle) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler if CHILDREN.stopping is None else signal.SIG_IGN)
 
 
 def say(line: str) -> None:
@@ -764,7 +775,8 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
                     failures.append(f"{run_name(job['point'])}: {info['error']}")
                 say(f"[{done}/{len(pending)}] {run_name(job['point'])}: {outcome_text(job, info)}")
         except KeyboardInterrupt:
-            CHILDREN.stop(signal.SIGINT, forward=False)  # Ctrl-C reached the runs too; a second one stops them unsaved
+            if CHILDREN.stopping is None:  # a KeyboardInterrupt past forwarding_stop_signals (sweep.py imported)
+                CHILDREN.stop(signal.SIGINT)
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
     if failures:
@@ -1714,7 +1726,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
-    with forwarding_sigterm():
+    with forwarding_stop_signals():
         return run_command(args)
 
 
@@ -1811,7 +1823,8 @@ def run_command(args: argparse.Namespace) -> int:
               "(finished runs are skipped)", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print("interrupted: run the same command to continue the sweep", file=sys.stderr)
+        with contextlib.suppress(OSError):  # a terminal that has gone (SIGHUP) takes no message
+            print("interrupted: run the same command to continue the sweep", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Interrupted) else 130
     return int(any(crashed(r) for r in rows))
 

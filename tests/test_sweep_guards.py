@@ -8,11 +8,16 @@ import math
 import os
 import pathlib
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from conftest import ROOT
 from test_sweep_rules import LOWER, POST, PRE, curve, finished_run, lr_sweep, recorded_settings, saved_settings
+from test_sweep_runs import alive, read_json, sweep_command, wait_for_training
 
 import plot
 import prepare_data
@@ -304,3 +309,85 @@ def test_a_summary_that_cannot_be_written_exits_with_one_line(tmp_path, capsys, 
     assert sweep.main([*argv, "--rerun"]) == 1
     one_line_error(capsys, os.strerror(errno.ENOSPC), "summary")
     assert (root / "summary.json").read_bytes() == before and os.path.exists(root / "seed=1" / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------- stop signals to the sweep alone
+
+
+def test_sigint_to_the_sweep_alone_stops_its_run_with_a_save_and_the_same_command_resumes(data_dir, tmp_path, capsys):
+    """`kill -INT <sweep pid>`, as a supervisor sends it, reaches the running train.py (it saves and stops) rather
+    than letting it train to its end; the same command then resumes it."""
+    out_root, run = str(tmp_path / "sweep"), str(tmp_path / "sweep" / "seed=1")
+    command = sweep_command(data_dir, out_root, max_iters=600)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = wait_for_training(run, process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 130, err
+        assert not alive(child)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        status = [r for r in map(json.loads, f) if r.get("kind") == "status"]
+    assert status[-1]["status"] == "stopped" and status[-1]["saved"]  # told by the sweep, as SIGTERM
+    assert status[-1]["iter"] < 600 and read_json(run, "run.json")["exit_code"] == 4
+    assert sweep.main(command[2:]) == 0
+    assert f"start {run} (resume)" in capsys.readouterr().out
+    assert read_json(run, "run.json")["exit_code"] == 0
+
+
+STUB_STOPPABLE = """import os, signal, sys, time
+out_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out_dir="))
+signals = []
+def stop(signum, frame):  # as train.py: the first stop signal saves and stops, a second SIGINT stops at once
+    if signals and signum == signal.SIGINT:
+        sys.exit(130)
+    signals.append(signum)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+with open(os.path.join(out_dir, "pid"), "w") as f:
+    f.write(str(os.getpid()))
+for _ in range(600):
+    if signals:
+        time.sleep(0.5)  # saving
+        sys.exit(4)
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("signum, repeats, code", [(signal.SIGINT, 3, 130), (signal.SIGHUP, 1, 129)])
+def test_repeated_stop_signals_to_the_sweep_leave_no_run_behind(tmp_path, signum, repeats, code):
+    """However many stop signals reach the sweep alone (a supervisor's, or a closed terminal's SIGHUP), it passes
+    them on to its running run, waits for it and records it: no train.py is left running without a run.json."""
+    stub = tmp_path / "stub_train.py"
+    stub.write_text(STUB_STOPPABLE)
+    root = tmp_path / "sweep"
+    code_line = "import sys, sweep; sweep.TRAIN = sys.argv[1]; sweep.exit_with(lambda: sweep.main(sys.argv[2:]))"
+    process = subprocess.Popen([sys.executable, "-c", code_line, str(stub), CONFIG, "--seeds", "1,2", "--jobs", "1",
+                                "--out_root", str(root)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    pid_file, child = root / "seed=1" / "pid", None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        for _ in range(repeats):
+            process.send_signal(signum)
+            time.sleep(0.05)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == code, err
+        assert not alive(child), "a run was left running"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
+    assert read_json(str(root / "seed=1"), "run.json")["exit_code"] in (4, 130)
+    assert not os.path.exists(root / "seed=2")  # nothing started after the signal
