@@ -391,3 +391,72 @@ def test_repeated_stop_signals_to_the_sweep_leave_no_run_behind(tmp_path, signum
             os.kill(child, signal.SIGKILL)
     assert read_json(str(root / "seed=1"), "run.json")["exit_code"] in (4, 130)
     assert not os.path.exists(root / "seed=2")  # nothing started after the signal
+
+
+# ----------------------------------------------------------------------------- a preparation cut short
+
+
+def fills_the_disk(path: pathlib.Path, docs, encoder, max_tokens) -> tuple[int, str]:
+    """A split writer on a disk that fills: part of the file is written, then ENOSPC (as a write reports it)."""
+    path.write_bytes(b"\0" * 64)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def interrupted(path: pathlib.Path, docs, encoder, max_tokens) -> tuple[int, str]:
+    """A split writer stopped by Ctrl-C halfway through its file."""
+    path.write_bytes(b"\0" * 64)
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("writer, code, said", [(fills_the_disk, 1, "no space left on"), (interrupted, 130, "")])
+def test_a_preparation_cut_short_keeps_the_earlier_data_and_says_so_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                                writer, code, said):
+    """prepare_data.py --force over a prepared dataset, cut short by a full disk or Ctrl-C: one line saying so, the
+    earlier dataset and how to go on (the same command), exit 1 or 130; the earlier data is untouched and the
+    partial output is gone."""
+    data = tmp_path / "data"
+    dataset = pathlib.Path(prepared(data, TEXT_A))
+    before = snapshot(dataset)
+    corpus = tmp_path / "b.txt"
+    corpus.write_text(TEXT_B)
+    monkeypatch.setattr(prepare_data, "_write_split", writer)
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["corpus", "--tokenizer", "char", "--input", str(corpus), "--data_dir", str(data),
+                           "--force"])
+    assert exit_.value.code == code
+    one_line_error(capsys, said, str(dataset), "same command")
+    assert snapshot(dataset) == before
+    assert sorted(os.listdir(data)) == ["corpus_char"]  # no partial output, no lock left
+
+
+def snapshot(folder: pathlib.Path) -> dict:
+    """Bytes and modification times of every file in folder, to prove nothing was touched."""
+    return {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(folder.iterdir())}
+
+
+def test_ctrl_c_at_the_terminal_stops_a_parallel_preparation_with_one_line(tmp_path):
+    """SIGINT to prepare_data.py's process group (Ctrl-C at its terminal) while its pool of processes tokenizes:
+    exit 130 with one line, no traceback from it or its workers, the earlier dataset untouched, nothing left."""
+    data = tmp_path / "data"
+    dataset = pathlib.Path(prepared(data, TEXT_A))
+    before = snapshot(dataset)
+    corpus = tmp_path / "books"
+    corpus.mkdir()
+    for i in range(400):  # about 40 MB of documents: seconds of work for two processes
+        (corpus / f"{i:03d}.txt").write_text(f"book {i}: " + TEXT_B * 2300)
+    process = subprocess.Popen([sys.executable, "prepare_data.py", "corpus", "--tokenizer", "char", "--input",
+                                str(corpus), "--data_dir", str(data), "--force", "--num_proc", "2"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any((p / "train.bin").exists() for p in data.glob("corpus_char.partial-*")):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if "%|" not in line and line.strip()]  # tqdm's bars aside
+    assert process.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err
+    assert snapshot(dataset) == before and sorted(os.listdir(data)) == ["corpus_char"]
