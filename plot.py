@@ -204,17 +204,23 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
 # ----------------------------------------------------------------------------- learning-rate sensitivity
 
 
-def unigram_loss(data_dir: str, dataset: str) -> float | None:
+def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) -> float | None:
     """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss
-    of a model that ignores the context. None if the dataset is not prepared."""
+    of a model that ignores the context. None if the dataset is not prepared, or (with `trained_on`, the data
+    fingerprint a sweep recorded) prepared again since from other data, which a note on stdout says."""
     import numpy as np
 
     import prepare_data
+    from resume import data_fingerprint, fingerprint_changes
 
     folder = os.path.join(data_dir, dataset)
     try:
         meta = prepare_data.load_meta(folder)
     except (OSError, ValueError):
+        return None
+    if trained_on and (changed := fingerprint_changes(trained_on, data_fingerprint(meta))):
+        print(f"note: no unigram line: {folder} was prepared again since the sweep trained on it "
+              f"({', '.join(changed)})")
         return None
     counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
                           minlength=meta["vocab_size"]) for split in ("train", "val")]
@@ -254,6 +260,7 @@ def load_lr_sweeps(roots: list[str]) -> dict:
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
+        merged["data"] = merged.get("data") or summary.get("data_fingerprint")  # one for all (read_same_data)
         merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
         merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
         counts.add((summary.get("setup") or {}).get("seeds"))
@@ -307,7 +314,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
     refs = dict(references or {})
     if setup.get("task") == "lm" and "unigram" not in refs:
-        uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""))
+        uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
+                           (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
             refs["unigram (context ignored)"] = uni
     labels = [point_label(p, keys) for p in sweep["lr_points"]]

@@ -460,3 +460,19 @@ def test_ctrl_c_at_the_terminal_stops_a_parallel_preparation_with_one_line(tmp_p
     lines = [line for line in err.splitlines() if "%|" not in line and line.strip()]  # tqdm's bars aside
     assert process.returncode == 130 and len(lines) == 1 and "Traceback" not in err, err
     assert snapshot(dataset) == before and sorted(os.listdir(data)) == ["corpus_char"]
+
+
+def test_the_lr_figure_draws_no_unigram_line_from_data_prepared_again_since(tmp_path, capsys, monkeypatch):
+    """The unigram reference is computed from the dataset as it is now: prepared again from other text since the
+    sweep, it would not be the sweep's; the figure leaves it out and says so."""
+    root = lr_sweep_on(tmp_path, monkeypatch, "pre", "pre", TEXT_A)
+
+    def unigram_notes(fig) -> list[str]:
+        return [t.get_text() for ax in fig.axes for t in ax.texts if "unigram" in t.get_text()]
+
+    assert len(unigram_notes(plot.draw_lr_sensitivity([root]))) == 1
+    prepared(tmp_path / "data_pre", TEXT_B, force=True)
+    capsys.readouterr()
+    assert unigram_notes(plot.draw_lr_sensitivity([root])) == []
+    out = capsys.readouterr().out
+    assert "unigram" in out and "corpus_char" in out, out
