@@ -49,7 +49,7 @@ with other settings than the sweep plans (resumed by hand with other flags; a la
 other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the sweep stops and
 names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
 twice is refused, and so is a key in two --grid or --set flags (alone or tied by +), a --set of the rate --lr_grid
-sweeps, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
+sweeps or of the seed beside --seeds, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
 summaries are written whole or not at all.
 A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
 run folder in use by another process (a train.py started by hand) stops the sweep before anything starts. The
@@ -1784,6 +1784,9 @@ def run_command(args: argparse.Namespace) -> int:
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
         if both := {k for key in grid for k in key.split("+")} & {k for key in fixed for k in key.split("+")}:
             raise SweepError(f"{', '.join(sorted(both))} given by both --grid and --set; give each key once")
+        if seeds and "seed" in {k for key in fixed for k in key.split("+")}:
+            raise SweepError(f"--set seed={fixed.get('seed', '...')} and --seeds {args.seeds} both give the seed, and "
+                             "--seeds would win; give the seeds by --seeds alone")
         lr_keys, lr_values = args.lr_keys.split("+"), None
         if args.lr_grid:
             if len(set(lr_keys)) != len(lr_keys):

@@ -48,6 +48,14 @@ def test_a_key_in_two_grid_or_set_flags_is_refused(tmp_path, capsys, flags, key)
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("lr_grid", [[], ["--lr_grid", "1e-3"]])
+def test_a_seed_given_by_set_and_seeds_is_refused(tmp_path, capsys, lr_grid):
+    """--seeds names every run's seed and folder: a --set seed beside it would be dropped without a word."""
+    assert sweep.main([CONFIG, "--set", "seed=7", "--seeds", "1,2", *lr_grid, "--out_root", str(tmp_path),
+                       "--dry_run"]) == 2
+    one_line_error(capsys, "seed=7", "--seeds")
+
+
 def test_the_swept_rate_given_by_set_too_is_refused(tmp_path, capsys):
     """--lr_grid sets the rate of every run: a --set value of it would be dropped without a word."""
     argv = [CONFIG, "--set", "learning_rate=1e-3", "--lr_grid", "1e-3,1e-2", "--out_root", str(tmp_path), "--dry_run"]
