@@ -522,6 +522,8 @@ def plot_from_args(args: argparse.Namespace) -> str:
     refs = {}
     for item in args.ref:
         name, _, value = item.rpartition("=")
+        if name in refs:
+            raise PlotError(f"--ref {name} is given twice ({refs[name]:g} and {value}); give each line once")
         try:
             refs[name] = float(value)
         except ValueError:

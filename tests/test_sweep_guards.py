@@ -484,3 +484,13 @@ def test_the_lr_figure_draws_no_unigram_line_from_data_prepared_again_since(tmp_
     assert unigram_notes(plot.draw_lr_sensitivity([root])) == []
     out = capsys.readouterr().out
     assert "unigram" in out and "corpus_char" in out, out
+
+
+def test_a_reference_line_named_twice_is_refused(tmp_path, capsys):
+    """plot.py --ref NAME=VALUE twice with one name would draw only the last value."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "iter": 0, "val_loss": 3.0}) + "\n")
+    assert plot.main([str(run), "--ref", "target=1.8", "--ref", "target=1.9", "--out", str(tmp_path / "r.png")]) == 2
+    one_line_error(capsys, "target")
+    assert not os.path.exists(tmp_path / "r.png")
