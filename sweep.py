@@ -1581,6 +1581,8 @@ def summary_type_error(summary: dict) -> str | None:
             return f"{key} is not a {kind.__name__}"
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in summary.get("select_seeds", [])):
         return f"select_seeds {summary['select_seeds']!r} is not a list of seeds"
+    if not all(isinstance(fp, dict) for fp in summary.get("data_fingerprint", {}).values()):
+        return f"data_fingerprint {summary['data_fingerprint']!r} is not {{dataset: fingerprint}}"
     return None
 
 

@@ -230,6 +230,12 @@ def test_a_leaderboard_of_sweeps_on_other_text_is_refused(tmp_path, capsys, monk
     assert sweep.main(["--leaderboard", pre, same, "--baseline", "norm_scheme=pre"]) == 0
     assert plot.main(["--lr_sweep", pre, same, "--out", str(tmp_path / "lr.png")]) == 0
     assert plot.main(["--depth", pre, same, "--out", str(tmp_path / "depth.png")]) == 0
+    summary = json.loads(pathlib.Path(other, "summary.json").read_text())
+    summary["data_fingerprint"]["corpus_char"] = "edited"
+    pathlib.Path(other, "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    assert sweep.main(["--leaderboard", pre, other]) == 2  # a fingerprint edited into another type: named
+    one_line_error(capsys, "data_fingerprint")
 
 
 # ----------------------------------------------------------------------------- a run that cannot be launched
