@@ -27,7 +27,15 @@ import re
 import statistics
 import sys
 
-from nanonorm.runs import IGNORED_FLAGS, RunFileError, diverged_at, is_number, load_metrics, run_config
+from nanonorm.runs import (
+    IGNORED_FLAGS,
+    RunFileError,
+    distinct_folders,
+    diverged_at,
+    is_number,
+    load_metrics,
+    run_config,
+)
 
 
 class PlotError(RunFileError):
@@ -204,17 +212,23 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
 # ----------------------------------------------------------------------------- learning-rate sensitivity
 
 
-def unigram_loss(data_dir: str, dataset: str) -> float | None:
+def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) -> float | None:
     """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss
-    of a model that ignores the context. None if the dataset is not prepared."""
+    of a model that ignores the context. None if the dataset is not prepared, or (with `trained_on`, the data
+    fingerprint a sweep recorded) prepared again since from other data, which a note on stdout says."""
     import numpy as np
 
     import prepare_data
+    from nanonorm.resume import data_fingerprint, fingerprint_changes
 
     folder = os.path.join(data_dir, dataset)
     try:
         meta = prepare_data.load_meta(folder)
     except (OSError, ValueError):
+        return None
+    if trained_on and (changed := fingerprint_changes(trained_on, data_fingerprint(meta))):
+        print(f"note: no unigram line: {folder} was prepared again since the sweep trained on it "
+              f"({', '.join(changed)})")
         return None
     counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
                           minlength=meta["vocab_size"]) for split in ("train", "val")]
@@ -232,15 +246,29 @@ def read_lr_sweep(root: str) -> dict:
         raise PlotError(str(e)) from None
 
 
+def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
+    """(root, summary) of `sweep.py --lr_grid` out_roots, refused (PlotError) when they trained on different data
+    (their recorded data fingerprints differ): their losses do not belong in one figure."""
+    import sweep
+
+    summaries = [(root, read_lr_sweep(root)) for root in roots]
+    try:
+        sweep.check_recorded_data(summaries)
+    except sweep.SweepError as e:
+        raise PlotError(str(e)) from None
+    return summaries
+
+
 def load_lr_sweeps(roots: list[str]) -> dict:
-    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json)."""
+    """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json), trained on
+    the same data."""
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
     counts = set()
-    for root in roots:
-        summary = read_lr_sweep(root)
+    for root, summary in read_same_data(roots):
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
+        merged["data"] = merged.get("data") or summary.get("data_fingerprint")  # one for all (read_same_data)
         merged["lr_key"] = merged["lr_key"] or summary["lr_key"]
         merged["keys"] += [k for k in summary["keys"] if k not in merged["keys"]]
         counts.add((summary.get("setup") or {}).get("seeds"))
@@ -294,7 +322,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
     refs = dict(references or {})
     if setup.get("task") == "lm" and "unigram" not in refs:
-        uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""))
+        uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
+                           (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
             refs["unigram (context ignored)"] = uni
     labels = [point_label(p, keys) for p in sweep["lr_points"]]
@@ -384,8 +413,7 @@ def draw_depth(roots: list[str], heading: str | None = None):
     from matplotlib.figure import Figure
 
     series: dict[str, dict[int, dict]] = {}
-    for root in roots:
-        summary = read_lr_sweep(root)
+    for root, summary in read_same_data(roots):
         keys = [k for k in summary["keys"] if k != "n_layer"]
         for point in summary["lr_points"]:
             depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))
@@ -460,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logy", action="store_true", help="logarithmic y axis")
     parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N points")
     args = parser.parse_args(argv)
-    args.out_dirs = [d for d in args.out_dirs if not os.path.isfile(d)]  # out/sweep/* also lists summary.md
+    args.out_dirs = distinct_folders([d for d in args.out_dirs if not os.path.isfile(d)])  # * lists summary.md
     try:
         print(f"wrote {plot_from_args(args)}")
     except RunFileError as e:  # PlotError, or a run's file that cannot be read
@@ -502,6 +530,8 @@ def plot_from_args(args: argparse.Namespace) -> str:
     refs = {}
     for item in args.ref:
         name, _, value = item.rpartition("=")
+        if name in refs:
+            raise PlotError(f"--ref {name} is given twice ({refs[name]:g} and {value}); give each line once")
         try:
             refs[name] = float(value)
         except ValueError:

@@ -10,7 +10,10 @@ blank line instead. A dataset is complete only when meta.json exists and its tok
 match the .bin sizes: load_meta() checks this, and a run that dies midway leaves nothing that
 passes the check (work happens in a sibling folder <name>.partial-* that is renamed at the end;
 the next run removes those whose process is gone, and only those: each is marked as this program's
-by a file .prepare_data-work, written first and removed just before the rename).
+by a file .prepare_data-work, written first and removed just before the rename). A full disk (or quota) stops
+a preparation with one line saying "no space left on" the folder (exit 1), Ctrl-C or SIGTERM with one line (exit
+130 or 143); either way the earlier dataset stays as it was, the work folder is removed, and the same command
+starts again.
 
 Usage:
     python prepare_data.py shakespeare                    # 38 plays, GPT-2 BPE -> data/shakespeare
@@ -38,6 +41,7 @@ as multiprocessing requires):
 
 import argparse
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -47,6 +51,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -572,7 +577,7 @@ def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> tupl
                     raise ValueError(f"{shard} holds token id {block.max()}, outside GPT-2's vocabulary "
                                      f"of {GPT2_VOCAB_SIZE}: it is not a GPT-2 shard")
                 block = block.astype(np.uint16)
-                block.tofile(f)
+                _write_tokens(f, block)
                 digest.update(block)
             n_tokens += count
         f.flush()
@@ -632,6 +637,9 @@ def _start_worker(name: str, chars: Sequence[str] | None, dtype: str, gpt2: tikt
     """Set up a pool process; GPT-2's encoding comes pickled (faster than building it from its files).
     The process ends when its parent does, even when the parent is killed (it would wait forever)."""
     global _worker_encode
+    # Ctrl-C reaches the whole process group: the parent stops the pool (chunk_encoder), so a worker finishes its
+    # chunk and ends quietly rather than printing a KeyboardInterrupt traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
@@ -716,7 +724,7 @@ def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder,
         for n_docs, ids in encoder.encode(docs):
             if max_tokens is not None:
                 ids = ids[: max_tokens - n_tokens]
-            ids.tofile(f)
+            _write_tokens(f, ids)
             digest.update(ids)
             n_tokens += ids.size
             bar.update(n_docs)
@@ -725,6 +733,14 @@ def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder,
         f.flush()
         os.fsync(f.fileno())
     return n_tokens, digest.hexdigest()
+
+
+def _write_tokens(f, ids: np.ndarray) -> None:
+    """Append ids to the open file f, on disk at once (a chunk at a time, as tofile wrote). Through the file object,
+    not ndarray.tofile: a full disk then raises OSError with its errno (ENOSPC), which main reports as such, not
+    tofile's bare "N requested and M written"."""
+    f.write(memoryview(np.ascontiguousarray(ids)).cast("B"))
+    f.flush()
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -776,13 +792,25 @@ def _swap_in(new: Path, out: Path, force: bool) -> None:
             raise FileExistsError(_exists_message(out)) from e
         return
     old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    os.replace(out, old)
+    with _signals_held():  # Ctrl-C between the renames would leave no dataset at out, the old one renamed aside
+        os.replace(out, old)
+        try:
+            os.replace(new, out)
+        except OSError:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done (they are delivered on leaving it)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
-        os.replace(new, out)
-    except OSError:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 WORK_MARKER = ".prepare_data-work"  # the first file of every work folder, with this text:
@@ -1053,17 +1081,67 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = {k: v for k, v in vars(args).items()
                if k not in ("source", "tokenizer", "data_dir", "force") and v is not None}
     start = time.time()
+    target = Path(args.data_dir) / dataset_name(args.source, args.tokenizer)
+    kept = (f"{target} is as it was (the earlier prepared data is untouched)" if (target / "meta.json").exists()
+            else f"{target} was not created") + " and the partial output was removed"
     try:
-        out = prepare(args.source, args.tokenizer, args.data_dir, args.force, **options)
+        with _sigterm_interrupts():
+            out = prepare(args.source, args.tokenizer, args.data_dir, args.force, **options)
     except (FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, ImportError,
             ValueError, RuntimeError) as e:  # ConnectionError: the hub cannot be reached
         parser.exit(2, f"error: {e}\n")
+    except KeyboardInterrupt as e:
+        code = 128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT)
+        parser.exit(code, f"interrupted: {kept}; run the same command again to prepare it\n")
+    except OSError as e:  # a full disk, or another failure to read or write
+        parser.exit(1, f"error: {os_error_text(e, args.data_dir)}: {kept}; {os_error_fix(e)}, then run the same "
+                       "command again\n")
     meta = load_meta(out)
     seconds = time.time() - start
     tokens = meta["train_tokens"] + meta["val_tokens"]
     print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
           f"{meta['tokenizer']} vocabulary of {meta['vocab_size']:,} ({meta['dtype']}), "
           f"{seconds:.1f} s ({tokens / seconds:,.0f} tokens/s)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached prepare_data.py: it stops as Ctrl-C stops it, cleaning up its partial output."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises Terminated, so the work folder is removed as on Ctrl-C (unless SIGTERM is ignored)."""
+    def stop(signum: int, frame) -> None:
+        raise Terminated(signum)
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or a full quota
+
+
+def os_error_text(e: OSError, data_dir: str) -> str:
+    """What an OSError that stopped a preparation means, where: "no space left on <folder>" for a full disk."""
+    where = os.path.dirname(e.filename) if isinstance(e.filename, str) and e.filename else data_dir
+    if e.errno in NO_SPACE:
+        return f"no space left on {where} ({e.strerror})"
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+
+
+def os_error_fix(e: OSError) -> str:
+    return ("free space there (or choose another --data_dir)" if e.errno in NO_SPACE
+            else "fix the cause")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ the word is "inconclusive at this scale" and the table says why. An arm that tra
 verdict: trained at no rate". Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
-of another setup says what differs in place of a verdict. Its rows are described, not judged, unless --claim or
---row_claim states what their papers claim.
+of another setup says what differs in place of a verdict. Sweeps trained on different data (the data fingerprints
+their summaries record differ) are refused, naming both. Its rows are described, not judged, unless --claim or
+--row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
+trailing slash, a symlink) is read once.
 
 Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
 grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
@@ -42,17 +44,27 @@ the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last ev
 run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
 crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless
 --rerun, an unfinished run with a checkpoint resumes. A run folder whose run.json records other settings
-(another config or one edited since, other --set values: another sweep's run), or whose checkpoint was
-trained on other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the
-sweep stops and names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
-twice is refused, and so is --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
+(another config or one edited since, other --set values: another sweep's run), whose checkpoint was trained
+with other settings than the sweep plans (resumed by hand with other flags; a larger max_iters is fine), or on
+other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the sweep stops and
+names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
+twice is refused, and so is a key in two --grid or --set flags (alone or tied by +), a --set of the rate --lr_grid
+sweeps or of the seed beside --seeds, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
 summaries are written whole or not at all.
 A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
-run folder in use by another process (a train.py started by hand) stops the sweep before anything starts.
-Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed, 2 bad arguments,
-a result file that cannot be read or a run folder in use; 130 on Ctrl-C, 143 on SIGTERM: the running runs
-save their last iteration and stop (SIGTERM is passed on to them), nothing more starts, and the same command
-continues the sweep.
+run folder in use by another process (a train.py started by hand) stops the sweep before anything starts. The
+sweep notes its dataset's fingerprint (resume.data_fingerprint: tokenizer, vocabulary, each split's token count
+and SHA-256) as it starts and its summary records it; a dataset prepared again while the sweep ran, or a run whose
+checkpoint names other data, stops it with exit 2 naming the runs, before anything is averaged.
+A grid value that would make a run folder's name longer than the file system takes is refused before anything
+starts. A run that cannot be launched or whose run.json cannot be written (an OSError: a full disk) is reported in
+its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
+Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
+launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or
+a run folder in use; 130 on Ctrl-C or SIGINT, 143 on SIGTERM, 129 on SIGHUP (a closed terminal), to the sweep
+alone or its process group: the sweep passes it on to its running runs as SIGTERM, on which they save their last
+iteration and stop, waits for them (however many signals follow: no run is left running), starts
+nothing more, and the same command continues the sweep.
 """
 
 from __future__ import annotations
@@ -81,7 +93,7 @@ from scipy import stats
 import prepare_data
 import train
 from model import GPTConfig
-from nanonorm.resume import SPLIT_FINGERPRINT, short
+from nanonorm.resume import data_fingerprint, fingerprint_changes
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
@@ -91,7 +103,15 @@ from nanonorm.run_files import (
     previous_run_files,
     write_atomically,
 )
-from nanonorm.runs import IGNORED_FLAGS, RunFileError, diverged_at, load_metrics, run_config
+from nanonorm.runs import (
+    IGNORED_FLAGS,
+    TASK_MODEL_KEYS,
+    RunFileError,
+    distinct_folders,
+    diverged_at,
+    load_metrics,
+    run_config,
+)
 from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_settings
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
@@ -129,13 +149,20 @@ def is_positive_number(text: str) -> bool:
 
 
 def parse_assignments(items: list[str], flag: str) -> dict[str, str]:
-    pairs = {}
+    """{key: value} of key=value items; a key given twice, alone or tied to others (a+b=...), is refused: the run
+    would train with one value while its folder is named after both."""
+    pairs: dict[str, str] = {}
+    owner: dict[str, str] = {}  # each single key -> the item key it came in
     for item in items:
         key, sep, value = item.partition("=")
         if not (key and sep and value):
             raise SweepError(f"cannot read {flag} {item!r}; write {flag} key=value")
-        if key in pairs:
-            raise SweepError(f"{flag} {key}= is given twice ({pairs[key]} and {value}); give each key once")
+        for part in key.split("+"):
+            if part in owner:
+                first = owner[part]
+                raise SweepError(f"{flag} {part}= is given twice ({first}={pairs.get(first, value)} and {key}={value})"
+                                 "; give each key once")
+            owner[part] = key
         pairs[key] = value
     return pairs
 
@@ -196,6 +223,7 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         raise SweepError("sweep.py sets out_dir, init_from and overwrite itself; use --out_root and --rerun")
     if seeds and "seed" in grid:
         raise SweepError("give the seeds either by --seeds or by --grid seed=..., not both")
+    check_run_names(out_root, grid, seeds)
     jobs = []
     for point in expand_grid(grid, seeds):
         out_dir = os.path.join(out_root, run_name(point))
@@ -216,12 +244,48 @@ def plan_runs(config: str | None, grid: dict[str, list], seeds: list[int] | None
         if state != "new":
             check_same_run(out_dir, argv, settings)
             check_same_data(out_dir, cfg)
+            check_trained_settings(out_dir, {k: v for k, v in settings.items()
+                                             if k not in TASK_MODEL_KEYS or k in model_args})
         if state == "resume":
             argv.append("--init_from=resume")
         elif previous_run_files(out_dir):  # an attempt cut off before its first checkpoint, or --rerun
             argv.append("--overwrite=True")
-        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings})
+        jobs.append({"point": point, "out_dir": out_dir, "argv": argv, "state": state, "settings": settings,
+                     "data": os.path.join(cfg.data_dir, cfg.dataset) if cfg.task == "lm" else None})
     return jobs
+
+
+RUN_FILE_ROOM = 64  # bytes a run's own file names take under its folder (ckpt_<iter>.pt.sha256.<pid>.tmp)
+
+
+def check_run_names(out_root: str, grid: dict[str, list], seeds: list[int] | None = None) -> None:
+    """Refuse a grid whose run folder names (or paths) are longer than the file system takes, before any run
+    starts: the run would fail to make its folder while the others went on."""
+    folder = os.path.abspath(out_root)
+    existing = folder
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    name_max, path_max = path_limit(existing, "PC_NAME_MAX", 255), path_limit(existing, "PC_PATH_MAX", 4096)
+    for point in expand_grid(grid, seeds):
+        name = run_name(point)
+        if len(name.encode()) > name_max:
+            key, value = max(point.items(), key=lambda kv: len(str(kv[1]).encode()))
+            shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:24]}..."
+            raise SweepError(f"the run folder of {key}={shown} would have a name of {len(name.encode())} bytes, over "
+                             f"the limit of {name_max} bytes a file name has here; give {key} a shorter value (a "
+                             "number in fewer digits), or fewer --grid keys. Nothing was started")
+        if len(os.path.join(folder, name).encode()) + RUN_FILE_ROOM > path_max:
+            raise SweepError(f"the run folder {os.path.join(folder, name)[:60]}... would have a path longer than the "
+                             f"{path_max} bytes a path may have here (with its files); give a shorter --out_root. "
+                             "Nothing was started")
+
+
+def path_limit(folder: str, name: str, default: int) -> int:
+    """os.pathconf(folder, name), or the default where the system does not say."""
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError, AttributeError):
+        return default
 
 
 def exact_text(x: float) -> str:
@@ -281,31 +345,102 @@ def check_same_data(out_dir: str, cfg: TrainConfig) -> None:
     digests its checkpoint saved against meta.json's now, as train.py compares them on resume."""
     path = os.path.join(cfg.data_dir, cfg.dataset)
     saved = saved_data_meta(out_dir) if cfg.task == "lm" else None
-    if not saved or not os.path.exists(os.path.join(path, "meta.json")):
+    now = dataset_fingerprint(path) if saved else None
+    if not saved or now is None:
         return
-    try:
-        now = prepare_data.load_meta(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise SweepError(str(e).replace("\n", " ")) from None
-    changed = [f"{k} {short(saved[k])} -> {short(now[k])}" for k in SPLIT_FINGERPRINT
-               if k in saved and k in now and saved[k] != now[k]]
+    changed = fingerprint_changes(data_fingerprint(saved), now)
     if changed:
         raise SweepError(f"{out_dir} was trained on other data than {path} holds now (prepared again since: "
                          f"{', '.join(changed)}); --rerun runs it again on this data, or prepare the data as it was")
 
 
+def dataset_fingerprint(path: str) -> dict | None:
+    """The data fingerprint (resume.data_fingerprint) of the dataset at path now; None where it is not prepared,
+    which its runs report themselves."""
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        return None
+    try:
+        return data_fingerprint(prepare_data.load_meta(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise SweepError(str(e).replace("\n", " ")) from None
+
+
+def data_fingerprints(jobs: list[dict]) -> dict[str, dict]:
+    """{dataset path: its data fingerprint} of the jobs' datasets as the sweep starts: what each run's result is
+    checked against (check_run_data) and the summary records."""
+    paths = dict.fromkeys(job["data"] for job in jobs if job.get("data"))
+    return {path: fp for path in paths if (fp := dataset_fingerprint(path)) is not None}
+
+
+def check_run_data(jobs: list[dict], start: dict[str, dict]) -> None:
+    """Refuse to summarize a sweep whose dataset was prepared again while it ran (meta.json no longer what it was at
+    the start), or whose runs' checkpoints name other data than the start's: their losses would be averaged with
+    those of another corpus. Nothing is deleted; the message names the runs trained on the other data."""
+    for path, before in start.items():
+        now = dataset_fingerprint(path)
+        changed = fingerprint_changes(before, now) if now is not None else ["meta.json removed"]
+        other = [job["out_dir"] for job in jobs if job.get("data") == path
+                 and (meta := saved_data_meta(job["out_dir"])) and fingerprint_changes(before, data_fingerprint(meta))]
+        if not (changed or other):
+            continue
+        what = [f"{path} was prepared again while the sweep ran ({', '.join(changed)})"] if changed else []
+        what += [f"{', '.join(other)} trained on other data than it held when the sweep started"] if other else []
+        raise SweepError(f"{'; '.join(what)}: runs on two corpora are not averaged together, and no summary was "
+                         "written. Prepare the data as it was and run the same command again, or run it with --rerun "
+                         "to train every run on the data there now")
+
+
+def recorded_data(fingerprints: dict[str, dict]) -> dict:
+    """What a summary records of its data: {dataset name: fingerprint}, by name so that a sweep moved to another
+    data_dir compares equal (a name met twice with other data is kept under its path)."""
+    named: dict[str, dict] = {}
+    for path, fp in fingerprints.items():
+        name = os.path.basename(os.path.normpath(path))
+        named[name if named.get(name, fp) == fp else path] = fp
+    return {"data_fingerprint": named} if named else {}
+
+
+def saved_checkpoints(out_dir: str) -> list[tuple[str, dict]]:
+    """(path, contents) of the checkpoints a resumed run starts from (ckpt.pt, ckpt_last.pt), those there are."""
+    found = []
+    for path in (os.path.join(out_dir, n) for n in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME)):
+        if not os.path.exists(path):
+            continue
+        try:  # mmap: the small dicts are read, not the weights
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
+            raise SweepError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move the run away, "
+                             "or --rerun to run it again") from None
+        found.append((path, saved if isinstance(saved, dict) else {}))
+    return found
+
+
 def saved_data_meta(out_dir: str) -> dict | None:
     """The meta.json of the data a run trained on, as its checkpoint saved it; None without one."""
-    path = next((p for p in (os.path.join(out_dir, n) for n in (CHECKPOINT_NAME, LAST_CHECKPOINT_NAME))
-                 if os.path.exists(p)), None)
-    if path is None:
-        return None
-    try:  # mmap: the small dicts are read, not the weights
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("data_meta")
-    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError) for a bad file
-        raise SweepError(f"{path} cannot be read as a checkpoint ({e.__class__.__name__}); move the run away, or "
-                         "--rerun to run it again") from None
+    saved = next((c.get("data_meta") for _, c in saved_checkpoints(out_dir)), None)
     return saved if isinstance(saved, dict) else None
+
+
+def check_trained_settings(out_dir: str, planned: dict) -> None:
+    """Refuse to skip or resume a run whose checkpoints say it trained with other settings than this sweep plans
+    (`planned`: its resolved settings, but for the model keys the task fills in): resumed or run again by hand with
+    other flags, while its run.json still records the sweep's. A larger max_iters is a run trained on past the
+    sweep's, which counts at the sweep's (summarize)."""
+    for path, saved in saved_checkpoints(out_dir):
+        if not isinstance(saved.get("config"), dict):
+            continue
+        trained = json.loads(json.dumps({**(saved.get("model_args") or {}), **saved["config"]}, default=str))
+        differ = [f"{k}={v} here, {trained[k]} in {os.path.basename(path)}" for k, v in planned.items()
+                  if k in trained and trained[k] != v and not (k == "max_iters" and past(trained[k], v))]
+        if differ:
+            raise SweepError(f"{out_dir} was trained with other settings than this sweep plans ({'; '.join(differ)}): "
+                             "resumed or run by hand with other flags; give another --out_root, or --rerun to run it "
+                             "again with these settings (its files are replaced)")
+
+
+def past(trained: object, planned: object) -> bool:
+    """Whether a run's max_iters lies beyond the sweep's (both whole numbers)."""
+    return isinstance(trained, int) and isinstance(planned, int) and trained > planned
 
 
 def shared_settings(mine: dict, theirs: dict) -> tuple[dict, dict]:
@@ -323,11 +458,36 @@ def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]
 
 
 class Interrupted(KeyboardInterrupt):
-    """A stop signal other than SIGINT reached the sweep: it stops as Ctrl-C stops it."""
+    """A stop signal reached the sweep: it stops as Ctrl-C stops it, with the signal's exit code (128 + signum)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class NotStarted(Exception):
+    """A run the sweep did not start, as an earlier one could not be launched or recorded."""
+
+
+class LaunchFailed(Exception):
+    """Runs that could not be launched, or whose run.json could not be written (an OSError: a full disk, a folder
+    that cannot be made): the sweep started nothing after the first. `left`: the out_dirs of the runs that did not
+    run to their end and be recorded."""
+
+    def __init__(self, failures: list[str], left: set[str]):
+        runs = f"{len(failures)} run{'s' * (len(failures) != 1)}"
+        super().__init__(f"{runs} could not be launched or recorded ({'; '.join(failures)}); nothing more was "
+                         "started, and the summary holds the runs that finished: fix the cause and run the same "
+                         "command to continue")
+        self.left = left
+
+    def kept(self, jobs: list[dict]) -> list[dict]:
+        """The jobs that ran to their end, or had before."""
+        return [job for job in jobs if job["out_dir"] not in self.left]
+
+    @property
+    def note(self) -> str:
+        return f"incomplete: {self}"
 
 
 class Children:
@@ -337,14 +497,17 @@ class Children:
         self._lock = threading.RLock()  # a signal handler runs in the main thread, maybe inside `stop`
         self._running: set[subprocess.Popen] = set()
         self.stopping: int | None = None  # the stop signal received
+        self.halted = False  # a run could not be launched or recorded: start no other
 
     def check_running(self) -> None:
-        """Interrupted if the sweep is stopping: nothing more starts."""
+        """Interrupted if the sweep is stopping, NotStarted after a failed launch: nothing more starts."""
         if self.stopping is not None:
             raise Interrupted(self.stopping)
+        if self.halted:
+            raise NotStarted
 
     def start(self, command: list[str], **options) -> subprocess.Popen:
-        """Popen(command), unless the sweep is stopping."""
+        """Popen(command), unless the sweep is stopping or halted."""
         with self._lock:
             self.check_running()
             process = subprocess.Popen(command, **options)
@@ -358,39 +521,54 @@ class Children:
             with self._lock:
                 self._running.discard(process)
 
-    def stop(self, signum: int, forward: bool = True) -> None:
-        """Start nothing more, and send signum to the running children if `forward`."""
+    def stop(self, signum: int) -> None:
+        """Start nothing more, and pass the stop signal on to the running children (FORWARDED)."""
         with self._lock:
             self.stopping = signum if self.stopping is None else self.stopping
-            running = list(self._running) if forward else []
+            running = list(self._running)
         for process in running:
-            process.send_signal(signum)  # a child that has just ended is skipped (Popen polls first)
+            process.send_signal(FORWARDED.get(signum, signum))  # a child that has just ended is skipped (Popen polls)
+
+    def halt(self) -> None:
+        """Start no run after this one (the runs already running go on to their end)."""
+        with self._lock:
+            self.halted = True
 
     def reset(self) -> None:
         with self._lock:
-            self.stopping = None
+            self.stopping, self.halted = None, False
 
 
 CHILDREN = Children()
 
 
+# a stop signal to the sweep -> what its runs get: SIGTERM, on which train.py saves and stops however often it comes
+# (a second SIGINT would stop it unsaved, and Ctrl-C at the terminal has sent the runs one SIGINT already)
+FORWARDED = {signal.SIGINT: signal.SIGTERM, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+
+
 @contextlib.contextmanager
-def forwarding_sigterm() -> Iterator[None]:
-    """SIGTERM stops the sweep as Ctrl-C stops the process group: the running train.py runs get it (each saves
-    its last iteration and exits 4), nothing more starts, and Interrupted is raised; the sweep then waits for
-    the runs to end. The previous handler comes back on leaving."""
+def forwarding_stop_signals() -> Iterator[None]:
+    """A stop signal to the sweep (FORWARDED: Ctrl-C, or SIGINT, SIGTERM or SIGHUP sent to its process alone) stops
+    it: the running train.py runs get SIGTERM (each saves its last iteration and exits 4), nothing more starts, and
+    Interrupted is raised; the sweep then waits for the runs to end, so none is left running. A repeated signal
+    only reaches the runs again (a second Ctrl-C at the terminal still stops them at once, unsaved). A signal the
+    sweep was started ignoring (nohup, a background job) stays ignored. The previous handlers come back on leaving,
+    unless a stop signal came: the sweep is then ending, and a late one is ignored rather than cutting its exit
+    short."""
     def handle(signum: int, frame) -> None:
         first = CHILDREN.stopping is None
         CHILDREN.stop(signum)
-        if first:  # a second SIGTERM only reaches the children again
+        if first:
             raise Interrupted(signum)
 
     CHILDREN.reset()
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {s: signal.signal(s, handle) for s in FORWARDED if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler if CHILDREN.stopping is None else signal.SIG_IGN)
 
 
 def say(line: str) -> None:
@@ -414,10 +592,32 @@ def code_version(where: str = os.path.dirname(TRAIN)) -> str | None:
 def launch(job: dict, threads: int) -> dict:
     """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions),
     the run's resolved settings and the code's commit to out_dir/run.json. A sweep stopping starts no run
-    (Interrupted)."""
+    (Interrupted). An OSError launching it or writing its run.json is returned as its "error", and no run starts
+    after it ({"not_started": True})."""
+    try:
+        info = run_to_end(job, threads)
+    except NotStarted:
+        return {"not_started": True}
+    except OSError as e:
+        CHILDREN.halt()
+        return {"error": f"could not be launched ({error_text(e)})"}
+    try:
+        write_atomically(os.path.join(job["out_dir"], "run.json"), json.dumps(info, indent=1).encode())
+    except OSError as e:
+        CHILDREN.halt()
+        return {**info, "error": f"its run.json could not be written ({error_text(e)})"}
+    return info
+
+
+def error_text(e: OSError) -> str:
+    """An OSError in a few words: what failed, on which file."""
+    return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
+
+
+def run_to_end(job: dict, threads: int) -> dict:
+    """Start one job's train.py and wait for it; what its run.json records."""
     CHILDREN.check_running()
     os.makedirs(job["out_dir"], exist_ok=True)
-    info_path = os.path.join(job["out_dir"], "run.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     say(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""))
     before = read_run_info(job["out_dir"]).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
@@ -429,7 +629,6 @@ def launch(job: dict, threads: int) -> dict:
     info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
             "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"],
             "commit": code_version()}  # the commit of the launch that finished it, when a run resumed
-    write_atomically(info_path, json.dumps(info, indent=1).encode())
     return info
 
 
@@ -554,23 +753,43 @@ def busy_runs(jobs: list[dict]) -> list[str]:
 
 def execute(pending: list[dict], workers: int, threads: int) -> None:
     """Run the jobs, `workers` at a time, printing each outcome as it comes. A run folder in use by another
-    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more."""
+    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run that
+    cannot be launched or recorded (an OSError) is reported in its line, nothing starts after it, and LaunchFailed
+    is raised once the running runs have ended."""
     if busy := busy_runs(pending):
         raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
                          "wait for it to end or stop it, then run the same command again. Nothing was started")
     CHILDREN.reset()
+    failures, left, done = [], set(), 0
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(launch, job, threads): job for job in pending}
         try:
-            for k, future in enumerate(as_completed(futures), 1):
+            for future in as_completed(futures):
                 job, info = futures[future], future.result()
-                outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
-                say(f"[{k}/{len(pending)}] {run_name(job['point'])}: {outcome} in {info['wall_s']:.1f} s"
-                    + (f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""))
+                if "error" in info or "not_started" in info:
+                    left.add(job["out_dir"])
+                if "not_started" in info:
+                    continue
+                done += 1
+                if "error" in info:
+                    failures.append(f"{run_name(job['point'])}: {info['error']}")
+                say(f"[{done}/{len(pending)}] {run_name(job['point'])}: {outcome_text(job, info)}")
         except KeyboardInterrupt:
-            CHILDREN.stop(signal.SIGINT, forward=False)  # Ctrl-C reached the runs too; a second one stops them unsaved
+            if CHILDREN.stopping is None:  # a KeyboardInterrupt past forwarding_stop_signals (sweep.py imported)
+                CHILDREN.stop(signal.SIGINT)
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
+    if failures:
+        raise LaunchFailed(failures, left)
+
+
+def outcome_text(job: dict, info: dict) -> str:
+    """How a run ended, as its line after it says: its outcome and time, or why it failed to launch or record."""
+    if "error" in info and "exit_code" not in info:
+        return info["error"]
+    outcome = OUTCOMES.get(info["exit_code"], f"exit {info['exit_code']}")
+    log = f", see {job['out_dir']}/train.log" if info["exit_code"] not in (0, 3) else ""
+    return f"{outcome} in {info['wall_s']:.1f} s{log}" + (f", but {info['error']}" if "error" in info else "")
 
 
 def summarize_jobs(jobs: list[dict], extra: list[str] | None = None) -> list[dict]:
@@ -595,24 +814,36 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
             print(shlex.join(["python", "train.py", *job["argv"]]))
     if dry_run:
         return []
-    execute(pending, workers, threads)
-    rows = summarize_jobs(todo, extra)
-    write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
-                  f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [],
-                  NO_VERDICT if baseline else None)
-    return rows
+    data = data_fingerprints(todo)
+
+    def finish(jobs: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(jobs, data)
+        rows = summarize_jobs(jobs, extra)
+        notes = "\n\n".join(n for n in (NO_VERDICT if baseline else None, note) if n) or None
+        write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
+                      f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [], notes,
+                      recorded_data(data))
+        return rows
+
+    try:
+        execute(pending, workers, threads)
+    except LaunchFailed as e:
+        finish(e.kept(todo), e.note)
+        raise
+    return finish(todo)
 
 
 def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
-                  extra: list[str] = (), note: str | None = None):
-    """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json."""
+                  extra: list[str] = (), note: str | None = None, recorded: dict | None = None):
+    """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json, with
+    `recorded` (the data the runs trained on)."""
     run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", *extra, "diverged_at",
                    "exit_code", "wall_s", "ms_per_iter"]
     text = "\n\n".join([format_table(rows, run_columns),
                         format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"]),
                         *([note] if note else [])])
     print("\n" + text)
-    write_summary_files(out_root, title, text, {"runs": rows, "grid_points": points})
+    write_summary_files(out_root, title, text, {**(recorded or {}), "runs": rows, "grid_points": points})
 
 
 def write_summary_files(out_root: str, title: str, text: str, data: dict) -> None:
@@ -976,6 +1207,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     workers, threads = parallelism(jobs, threads_per_run)
     if len(lr_values) < MIN_RATES and baseline:
         print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
+    check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
     first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
     print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
@@ -985,27 +1217,41 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
         for job in pending:
             print(shlex.join(["python", "train.py", *job["argv"]]))
         return []
-    execute(pending, workers, threads)
-    first_rows = summarize_jobs(first, extra)
+    data = data_fingerprints(first)
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
-    choice = []
-    for point in points:
-        rows = [r for r in first_rows if matches(r, point)]
-        choice.append({**point, **pick_best(rows, lr_key, lr_values)})
-    rest = [job for c, point in zip(choice, points, strict=True) if c["best_lr"] is not None
-            for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
-                                 fixed, out_root, rerun, (lr_key, ratios))]
-    execute([job for job in rest if job["state"] != "finished"], workers, threads)
-    rest_rows = summarize_jobs(rest, extra)
-    table = lr_table(first_rows + rest_rows, choice, list(grid), lr_key, baseline, claims, select)
-    write_lr_summary(out_root, first_rows + rest_rows, table, list(grid), lr_key, extra or [],
-                     f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                     + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
-                     + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                     {"select_seeds": select, "held_out_seeds": seeds,
-                      **({"setup": run_setup(first[0]["argv"], len(seeds)), "settings": run_settings(first[0]["argv"]),
-                          "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if first else {})})
-    return table
+
+    def picked(first_jobs: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
+        rows = summarize_jobs(first_jobs, extra)
+        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values)} for p in points]
+
+    def finish(first_jobs: list[dict], rest_jobs: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(first_jobs + rest_jobs, data)
+        first_rows, choice = picked(first_jobs)
+        rows = first_rows + summarize_jobs(rest_jobs, extra)
+        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select)
+        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [],
+                         f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
+                         + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
+                         + f", rates picked on seeds {select}, held-out seeds {seeds}",
+                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
+                          **({"setup": run_setup(first[0]["argv"], len(seeds)),
+                              "settings": run_settings(first[0]["argv"]),
+                              "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]}
+                             if first else {})}, note)
+        return table
+
+    rest: list[dict] = []
+    try:
+        execute(pending, workers, threads)
+        check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
+        rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
+                for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
+                                     fixed, out_root, rerun, (lr_key, ratios))]
+        execute([job for job in rest if job["state"] != "finished"], workers, threads)
+    except LaunchFailed as e:
+        finish(e.kept(first), e.kept(rest), e.note)
+        raise
+    return finish(first, rest)
 
 
 def run_setup(argv: list[str], n_seeds: int) -> dict:
@@ -1206,16 +1452,17 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
 
 
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
-                     extra: list[str], title: str, recorded: dict) -> None:
-    """Print the run table and the per-point table; write both to out_root/summary.md and summary.json, with
-    `recorded` (the sweep's setup, its settings and the keys it sweeps: what --leaderboard compares)."""
+                     extra: list[str], title: str, recorded: dict, note: str | None = None) -> None:
+    """Print the run table and the per-point table (and the note under them); write both to out_root/summary.md and
+    summary.json, with `recorded` (the sweep's setup, its settings, the keys it sweeps and its data: what
+    --leaderboard compares)."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
     point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
                      *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
     text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
-                        f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all."])
+                        f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all.", *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text,
                         {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
@@ -1328,12 +1575,40 @@ def summary_type_error(summary: dict) -> str | None:
         if not (isinstance(r["seed"], int) and rate(r[lr_key]) and number(r["val_loss"]) and number(r.get("wall_s"))
                 and all(r[k] is None or isinstance(r[k], int) for k in ("diverged_at", "exit_code"))):
             return f"the run {r.get('out_dir', r)} has a seed, {lr_key}, loss, time or exit code of the wrong type"
-    for key, kind in (("setup", dict), ("settings", dict), ("swept", list), ("select_seeds", list)):
+    for key, kind in (("setup", dict), ("settings", dict), ("swept", list), ("select_seeds", list),
+                      ("data_fingerprint", dict)):
         if not isinstance(summary.get(key, kind()), kind):
             return f"{key} is not a {kind.__name__}"
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in summary.get("select_seeds", [])):
         return f"select_seeds {summary['select_seeds']!r} is not a list of seeds"
+    if not all(isinstance(fp, dict) for fp in summary.get("data_fingerprint", {}).values()):
+        return f"data_fingerprint {summary['data_fingerprint']!r} is not {{dataset: fingerprint}}"
     return None
+
+
+def check_recorded_data(summaries: list[tuple[str, dict]]) -> None:
+    """Refuse to put sweeps trained on different data (their summaries' data_fingerprint: another dataset, or one
+    of the same name prepared from other text) in one table or figure, naming the first two that differ. A summary
+    written before summaries recorded the data is not checked, and a note says so."""
+    recorded = [(root, s["data_fingerprint"]) for root, s in summaries if s.get("data_fingerprint")]
+    for root, data in recorded[1:]:
+        first, first_data = recorded[0]
+        if data != first_data:
+            raise SweepError(f"{first} and {root} were trained on different data ({data_difference(first_data, data)})"
+                             ": their losses are not comparable; compare sweeps on one dataset, prepared from the "
+                             "same text")
+    unrecorded = [root for root, s in summaries if not s.get("data_fingerprint")]
+    if recorded and unrecorded:
+        print(f"note: {', '.join(unrecorded)} record no data fingerprint (summaries written before they did); "
+              "their data is not checked against the others'")
+
+
+def data_difference(a: dict, b: dict) -> str:
+    """How two summaries' recorded data differ: the datasets they name, or how one dataset's fingerprint changed."""
+    if set(a) != set(b):
+        return f"{', '.join(a)} against {', '.join(b)}"
+    return "; ".join(f"{name}: {', '.join(fingerprint_changes(a[name], b[name]) or ['other keys'])}"
+                     for name in a if a[name] != b[name])
 
 
 def setup_difference(summary: dict, base: dict) -> str | None:
@@ -1357,10 +1632,12 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     (claim_for(point, claims); no claims: a description of each row, not a verdict), Holm-corrected over the
     table, on held-out seeds only (a seed that picked a rate never counts, see selection_seeds). A point of a
     sweep whose recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
-    differs. Points with the same settings in two roots are told apart by the root."""
+    differs. Points with the same settings in two roots are told apart by the root; a root given twice (another
+    spelling of one folder) is read once."""
     points = []
-    for root in roots:
-        summary = read_lr_summary(root)
+    summaries = [(root, read_lr_summary(root)) for root in distinct_folders(roots)]
+    check_recorded_data(summaries)
+    for root, summary in summaries:
         keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
             runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
@@ -1381,6 +1658,7 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     base = next((p for p in points if baseline and matches(p, baseline)), None)
     if baseline and base is None:
         raise SweepError(f"--baseline {baseline} is none of the sweeps' points")
+    check_claimed_rows(points, claims)
     table, tests = [], []
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p.get("val_loss_mean_std"),
@@ -1396,6 +1674,16 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
         table.append(row)
     add_verdicts(tests)
     return table
+
+
+def check_claimed_rows(points: list[dict], claims: list | None) -> None:
+    """Refuse a --row_claim that names no row of the leaderboard (a mistyped value would leave its row described,
+    not judged), listing the rows there are."""
+    for values, _, _ in (claims or [])[1:]:
+        if values and not any(matches(p, values) for p in points):
+            rows = "; ".join(dict.fromkeys(", ".join(f"{k}={p[k]}" for k in p["summary"]["keys"]) for p in points))
+            named = ",".join(f"{k}={v}" for k, v in values.items())
+            raise SweepError(f"--row_claim {named} matches no row of the leaderboard; its rows are: {rows}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1440,7 +1728,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
-    with forwarding_sigterm():
+    with forwarding_stop_signals():
         return run_command(args)
 
 
@@ -1498,10 +1786,19 @@ def run_command(args: argparse.Namespace) -> int:
         fixed, extra = parse_assignments(args.set, "--set"), [k for k in args.extra.split(",") if k]
         if both := {k for key in grid for k in key.split("+")} & {k for key in fixed for k in key.split("+")}:
             raise SweepError(f"{', '.join(sorted(both))} given by both --grid and --set; give each key once")
+        if seeds and "seed" in {k for key in fixed for k in key.split("+")}:
+            raise SweepError(f"--set seed={fixed.get('seed', '...')} and --seeds {args.seeds} both give the seed, and "
+                             "--seeds would win; give the seeds by --seeds alone")
         lr_keys, lr_values = args.lr_keys.split("+"), None
         if args.lr_grid:
+            if len(set(lr_keys)) != len(lr_keys):
+                raise SweepError(f"--lr_keys {args.lr_keys} names a key twice; give each rate once")
             if set(lr_keys) & {k for key in grid for k in key.split("+")}:
                 raise SweepError(f"--lr_keys {args.lr_keys} are swept by --lr_grid; leave them out of --grid")
+            if lr_keys[0] in {k for key in fixed for k in key.split("+")}:
+                raise SweepError(f"--set {lr_keys[0]}: --lr_grid sets {lr_keys[0]} of every run, so this value would "
+                                 "be dropped; leave it out of --set (the other --lr_keys and min_lr keep their ratio "
+                                 "to it)")
             if "learning_rate" in lr_keys and "min_lr" in {k for key in grid for k in key.split("+")}:
                 raise SweepError("--grid min_lr: with --lr_grid, min_lr keeps its config ratio to learning_rate "
                                  "at every rate, whatever --grid says; leave it out of --grid, or give one value "
@@ -1521,8 +1818,18 @@ def run_command(args: argparse.Namespace) -> int:
     except (SweepError, ConfigError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LaunchFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # a reader that has gone (`| head`): exit_with ends it quietly
+        raise
+    except OSError as e:  # a summary or a run's file that cannot be written (a full disk) or read
+        print(f"error: {error_text(e)}; every run's files are kept: fix the cause and run the same command again "
+              "(finished runs are skipped)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
-        print("interrupted: run the same command to continue the sweep", file=sys.stderr)
+        with contextlib.suppress(OSError):  # a terminal that has gone (SIGHUP) takes no message
+            print("interrupted: run the same command to continue the sweep", file=sys.stderr)
         return 128 + e.signum if isinstance(e, Interrupted) else 130
     return int(any(crashed(r) for r in rows))
 

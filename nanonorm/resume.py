@@ -15,6 +15,8 @@ and the settings must fit its model (resume_model_args): a failed check exits 2 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -115,6 +117,21 @@ def resumed_settings(cfg: TrainConfig, model_args: dict, checkpoint: dict | None
 
 
 SPLIT_FINGERPRINT = ("train_tokens", "val_tokens", "train_sha256", "val_sha256")  # meta.json's, per split
+
+
+def data_fingerprint(meta: dict) -> dict:
+    """What tells one prepared dataset's data from another's, from its meta.json: the tokenizer and vocabulary
+    size, a char vocabulary by its SHA-256 (two texts of other letters can give the same ids), and each split's
+    token count and digest (SPLIT_FINGERPRINT; a dataset prepared before digests were recorded has counts only)."""
+    fingerprint = {k: meta[k] for k in ("tokenizer", "vocab_size", *SPLIT_FINGERPRINT) if k in meta}
+    if isinstance(meta.get("chars"), list):
+        fingerprint["chars_sha256"] = hashlib.sha256(json.dumps(meta["chars"]).encode()).hexdigest()
+    return fingerprint
+
+
+def fingerprint_changes(before: dict, after: dict) -> list[str]:
+    """How two data fingerprints differ, key by key over the keys both have (digests shortened)."""
+    return [f"{k} {short(before[k])} -> {short(after[k])}" for k in before if k in after and before[k] != after[k]]
 
 
 def short(value: object) -> str:

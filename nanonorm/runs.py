@@ -119,6 +119,20 @@ def command_line_config(out_dir: str) -> dict | None:
     return {**defaults, **model_args, **vars(cfg), "scheme": scheme}
 
 
+def distinct_folders(paths: list[str]) -> list[str]:
+    """paths with each folder once, in their order: two spellings of one folder (a trailing slash, a symlink,
+    out/sweep/*/ beside out/sweep/a) would count its runs twice. Each one left out is named in a note."""
+    kept, seen = [], {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            print(f"note: {path} is {seen[real]} again; read once")
+            continue
+        seen[real] = path
+        kept.append(path)
+    return kept
+
+
 def diverged_at(records: list[dict]) -> int | None:
     """The iteration of a run's "diverged" status line, if it has one."""
     return next((r["iter"] for r in records if r.get("kind") == "status" and r.get("status") == "diverged"

@@ -377,7 +377,7 @@ def test_a_run_folder_in_use_stops_the_sweep_before_anything_starts(tmp_path, ca
 
 def test_sigterm_handling_is_main_s_alone_and_undone_after_it(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    with sweep.forwarding_sigterm():
+    with sweep.forwarding_stop_signals():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
     assert sweep.main([CONFIG, "--set", "max_iters=4", "--out_root", str(tmp_path), "--dry_run"]) == 0
