@@ -33,7 +33,7 @@ class Scheme(NamedTuple):
     recipes come with (z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections). Every column can be
     overridden by a config key of the same name (`--norms=pre+qk+final`, `--combine=rezero`)."""
 
-    norms: str  # where it normalizes, +-joined places of NORM_PLACES, or "none"
+    norms: str  # the places it normalizes (not the type: that is `norm`), +-joined from NORM_PLACES, or "none"
     combine: str = "add"  # residual rule, a key of COMBINE_RULES; "nlerp" is nGPT's, on its hypersphere modules
     attn_scale: str = "1/sqrt(d)"  # logit scale: 1/sqrt(d), 1/d (Lipschitz), sqrt(d) (nGPT), 1.44/sqrt(d) (nanochat)
     branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
@@ -113,8 +113,8 @@ class GPTConfig:
     n_embd: int = 768  # width d of the residual stream
     dropout: float = 0.0  # dropout on the embedding, the attention weights and each sub-layer's output
     bias: bool = True  # biases in the linear maps and norms, like GPT-2
-    norm_scheme: str = "pre"  # the residual scheme: a row of SCHEMES; its columns are keys too (--norms=...)
-    norm: str = "layernorm"  # the norm type at every place the scheme normalizes: a key of NORM_TYPES
+    norm_scheme: str = "pre"  # the row of SCHEMES (the recipe); its columns are keys too (--norms=...)
+    norm: str = "layernorm"  # the norm type (not the places: those are `norms`), a key of NORM_TYPES
     norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
     norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
     embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
