@@ -674,20 +674,21 @@ class MLP(nn.Module):
 
 
 def unit_norm(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """nGPT's Norm: x / ||x|| over the last axis, no gain; the floor eps only guards a zero vector (`F.normalize`)."""
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(eps)
+    """nGPT's Norm: x / max(||x||, eps) over the last axis (`F.normalize`), no gain; eps only guards a zero vector.
+    Written as x times 1 / sqrt(max(||x||^2, eps^2)), the same value, with a product in place of a division."""
+    return x * x.square().sum(-1, keepdim=True).clamp_min(eps * eps).rsqrt()
 
 
 def normalized_lerp(h: torch.Tensor, y: torch.Tensor, alpha: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     """nGPT's residual update (eq. 10, 11): h <- Norm(h + alpha (Norm(y) - h)), in h's dtype (a bf16 sub-layer
     output under autocast is normalized in float32)."""
-    return unit_norm(h + alpha * (unit_norm(y.to(h.dtype), eps) - h), eps)
+    return unit_norm(torch.lerp(h, unit_norm(y.to(h.dtype), eps), alpha), eps)  # lerp: h + alpha (n - h)
 
 
 @torch.no_grad()
 def unit_(weight: torch.Tensor, dim: int) -> None:
     """Scale the weight's vectors along `dim` to unit norm in place: the constraint nGPT's maps keep (§2.6)."""
-    weight.div_(torch.linalg.vector_norm(weight, dim=dim, keepdim=True).clamp_min_(1e-12))
+    weight.mul_(torch.linalg.vector_norm(weight, dim=dim, keepdim=True).clamp_min_(1e-12).reciprocal_())
 
 
 class LearnedScale(nn.Module):
