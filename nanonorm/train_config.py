@@ -112,7 +112,7 @@ def places_norm(m: GPTConfig) -> bool:
 
 def normalizes_heads(m: GPTConfig) -> bool:
     """Whether q, k (or v) go through an RMSNorm (nGPT's sphere attention normalizes them its own way)."""
-    return m.scheme.normalizes("qk", "qk_all", "qkv") and not m.hypersphere
+    return m.scheme.normalizes("qk", "qk_all", "qkv", "k", "v") and not m.hypersphere
 
 
 def uses(*optimizers: str) -> tuple[Callable[[TrainConfig, GPTConfig], bool], str]:
