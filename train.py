@@ -262,8 +262,8 @@ def evaluate_and_save(s: LoopState) -> int | None:
     if reason is not None:
         return report_divergence(s.log, s.ddp, s.iter_num, reason, s.raw_model, s.optimizer,
                                  lm_task.val_inputs(s.task))
-    if cfg.log_diagnostics and s.raw_model.config.scheme.combine == "geodesic":  # GeoNorm's angles
-        metrics.update(diagnostics.geonorm_angles(s.raw_model, lm_task.val_inputs(s.task)))
+    if cfg.log_diagnostics:  # per block: first-token attention mass, the stream's peak and kurtosis; GeoNorm's angles
+        metrics.update(diagnostics.forward_diagnostics(s.raw_model, lm_task.val_inputs(s.task)))
     if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
         forward_backward(s.model, s.task, s.ddp, s.accum, s.iter_num, s.scaler, s.autocast, cfg.seed)
         if s.ddp.master:
