@@ -261,10 +261,18 @@ def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
 
 def load_lr_sweeps(roots: list[str]) -> dict:
     """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json), trained on
-    the same data."""
+    the same data and judged on the same metric (val_loss or val_bpb)."""
+    import sweep
+
     merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
     counts = set()
-    for root, summary in read_same_data(roots):
+    summaries = read_same_data(roots)
+    metrics = {root: sweep.summary_metric(summary) for root, summary in summaries}
+    if len(set(metrics.values())) > 1:
+        raise PlotError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
+                        metrics.items()) + "): draw sweeps of one --metric together")
+    merged["metric"] = next(iter(metrics.values()), "val_loss")
+    for root, summary in summaries:
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -320,8 +328,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
 
     sweep = load_lr_sweeps(roots)
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
-    refs = dict(references or {})
-    if setup.get("task") == "lm" and "unigram" not in refs:
+    refs, metric = dict(references or {}), sweep["metric"]
+    if setup.get("task") == "lm" and "unigram" not in refs and metric == "val_loss":  # the unigram loss is in nats
         uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
                            (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
@@ -336,7 +344,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         label = point["label"]
         runs = [r for r in sweep["runs"] if r["root"] == point["root"] and matches(r, {k: point.get(k) for k in keys})]
         for r in first_seed_runs(runs, lr_key):  # the seed that ran every rate, as sweep.py picks it
-            loss = r.get("val_loss")
+            loss = r.get(metric)
             ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \
                 and math.isfinite(loss)
             if ok:
@@ -383,7 +391,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         ax.annotate("x: diverged, crashed, or ended above 3x the median loss", (0.01, top),
                     xycoords=("axes fraction", "data"), fontsize="small", va="bottom", color="0.3")
     ax.set_xscale("log")
-    ax.set(xlabel=lr_key, ylabel="final val loss (first seed)")
+    ax.set(xlabel=lr_key, ylabel=f"final {metric.replace('_', ' ')} (first seed)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", title="sorted by mean loss at the best rate (mean ± std, n)",
               title_fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
