@@ -198,7 +198,7 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
     if c.hypersphere and (c.vector_mode or c.gain_cap is not None or c.embed_proj):
         raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
-                         "it takes neither vector inputs (in_features), gain_cap nor embed_proj")
+                         "it takes neither vector inputs (in_features) nor gain_cap nor embed_proj")
     check_stream_columns(c.scheme, c.hypersphere)
 
 
@@ -313,8 +313,8 @@ class DynamicErf(DynamicTanh):
 NORM_TYPES: dict[str, Callable[..., nn.Module]] = {
     "layernorm": lambda dim, n_head, eps, bias, alpha: nn.LayerNorm(dim, eps=eps, bias=bias),
     "rmsnorm": lambda dim, n_head, eps, bias, alpha: RMSNorm(dim, eps=eps),
-    "ssnorm": lambda dim, n_head, eps, bias, alpha: SingleScaleRMSNorm(eps),
     "headwise": lambda dim, n_head, eps, bias, alpha: HeadwiseRMSNorm(dim, n_head, eps=eps),
+    "ssnorm": lambda dim, n_head, eps, bias, alpha: SingleScaleRMSNorm(eps),
     "dyt": lambda dim, n_head, eps, bias, alpha: DynamicTanh(dim, alpha, bias),
     "derf": lambda dim, n_head, eps, bias, alpha: DynamicErf(dim, alpha, bias),
 }

@@ -248,7 +248,8 @@ def read_lr_sweep(root: str) -> dict:
 
 def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
     """(root, summary) of `sweep.py --lr_grid` out_roots, refused (PlotError) when they trained on different data
-    (their recorded data fingerprints differ): their losses do not belong in one figure."""
+    (their recorded data fingerprints differ) or were judged on different metrics (val_loss, val_bpb): their losses
+    do not belong in one figure."""
     import sweep
 
     summaries = [(root, read_lr_sweep(root)) for root in roots]
@@ -256,23 +257,22 @@ def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
         sweep.check_recorded_data(summaries)
     except sweep.SweepError as e:
         raise PlotError(str(e)) from None
+    metrics = {root: sweep.summary_metric(summary) for root, summary in summaries}
+    if len(set(metrics.values())) > 1:
+        raise PlotError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
+                        metrics.items()) + "): draw sweeps of one --metric together")
     return summaries
 
 
 def load_lr_sweeps(roots: list[str]) -> dict:
     """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json), trained on
-    the same data and judged on the same metric (val_loss or val_bpb)."""
+    the same data and judged on the same metric (val_loss or val_bpb, `metric`)."""
     import sweep
 
-    merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
+    merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": [], "metric": "val_loss"}
     counts = set()
-    summaries = read_same_data(roots)
-    metrics = {root: sweep.summary_metric(summary) for root, summary in summaries}
-    if len(set(metrics.values())) > 1:
-        raise PlotError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
-                        metrics.items()) + "): draw sweeps of one --metric together")
-    merged["metric"] = next(iter(metrics.values()), "val_loss")
-    for root, summary in summaries:
+    for root, summary in read_same_data(roots):
+        merged["metric"] = sweep.summary_metric(summary)
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -420,8 +420,12 @@ def draw_depth(roots: list[str], heading: str | None = None):
     depths (their summary.json). Sweeps from different machines belong in different figures."""
     from matplotlib.figure import Figure
 
+    import sweep
+
     series: dict[str, dict[int, dict]] = {}
+    metric = "val_loss"
     for root, summary in read_same_data(roots):
+        metric = sweep.summary_metric(summary)
         keys = [k for k in summary["keys"] if k != "n_layer"]
         for point in summary["lr_points"]:
             depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))
@@ -442,7 +446,7 @@ def draw_depth(roots: list[str], heading: str | None = None):
                          label=literal(label))
         sensitive = [d for d in sorted(by_depth) if by_depth[d].get("lr_sensitivity") is not None]
         sens_ax.plot(sensitive, [by_depth[d]["lr_sensitivity"] for d in sensitive], "o-", color=f"C{i % 10}")
-    for ax, ylabel in ((loss_ax, "final val loss, held-out mean ± std at the best rate"),
+    for ax, ylabel in ((loss_ax, f"final {metric.replace('_', ' ')}, held-out mean ± std at the best rate"),
                        (sens_ax, "learning-rate sensitivity (selection seed)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(depths, [str(d) for d in depths])

@@ -733,3 +733,8 @@ def test_metric_val_bpb_judges_each_arm_on_bits_per_byte(tmp_path, capsys):
     assert sweep.main(["--leaderboard", str(tmp_path / "bpb"), str(tmp_path / "loss")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "val_bpb" in err and "val_loss" in err
+    ax = plot.draw_lr_sensitivity([str(tmp_path / "bpb")]).axes[0]  # the figure draws bpb, and says so
+    assert ax.get_ylabel() == "final val bpb (first seed)"
+    assert max(y for line in ax.get_lines() for y in line.get_ydata()) < 3  # bpb (2.6 at most), not nats (5.2)
+    with pytest.raises(plot.PlotError, match="different metrics"):
+        plot.draw_lr_sensitivity([str(tmp_path / "bpb"), str(tmp_path / "loss")])
