@@ -384,8 +384,9 @@ class LeastSquaresTask:
         return self.eval_sets[split][ddp.rank::ddp.world_size]
 
     @torch.no_grad()
-    def extra_metrics(self, model, autocast) -> dict:
-        """val loss by order (only the orders present) and per t; the baselines on val."""
+    def extra_metrics(self, model, autocast, losses: dict | None = None) -> dict:
+        """val loss by order (only the orders present) and per t; the baselines on val (`losses`, the splits'
+        mean losses, adds nothing here)."""
         errors, orders = [], []
         for batch in self.eval_sets["val"]:
             with autocast:

@@ -9,9 +9,8 @@ the GPT. Every block performs the same four steps for its attention and its MLP:
     x = N_post(x)                       # optional norm after the residual (Post-Norm, DeepNorm)
 
 Each primitive is the plain PyTorch of its equation; `torch.compile` fuses them. A new scheme is one row; the
-columns taken from other codebases (z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections) are in
-nanonorm/columns.py. The papers' readings and the reference code each row was compared with: docs/schemes.md.
-`python model.py` prints the table.
+columns taken from other codebases (z-loss to Attention Residuals) are in nanonorm/columns.py. The papers'
+readings and the reference code each row was compared with: docs/schemes.md. `python model.py` prints the table.
 """
 
 from __future__ import annotations
@@ -30,11 +29,11 @@ from nanonorm import columns
 
 class Scheme(NamedTuple):
     """A row: where a model normalizes, how each residual update is added, how it starts, and the stabilizers some
-    recipes come with (z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections). Every column can be
-    overridden by a config key of the same name (`--norms=pre+qk+final`, `--combine=rezero`)."""
+    recipes come with (nanonorm/columns.py: z-loss to the attention gate). Every column can be overridden by a config
+    key of the same name (`--norms=pre+qk+final`, `--combine=rezero`)."""
 
     norms: str  # the places it normalizes (not the type: that is `norm`), +-joined from NORM_PLACES, or "none"
-    combine: str = "add"  # residual rule, a key of COMBINE_RULES; "nlerp" is nGPT's, on its hypersphere modules
+    combine: str = "add"  # residual rule, a key of COMBINE_RULES; "nlerp": nGPT's; "attn_res": Attention Residuals
     attn_scale: str = "1/sqrt(d)"  # logit scale: 1/sqrt(d), 1/d (Lipschitz), sqrt(d) (nGPT), 1.44/sqrt(d) (nanochat)
     branch_scale: float = 1.0  # multiplies each sub-layer's output (1/3 in the Lipschitz block)
     init: str = "gpt2"  # hidden matrices' init, a key of INITS
@@ -50,6 +49,8 @@ class Scheme(NamedTuple):
     x0_mix: bool = False  # before each block x <- a x + b x0 (the embedding), a, b learnable per block (init: 1, 0)
     residual_streams: int = 1  # n copies of the residual stream, joined by hyper_connections (1 and none: off)
     hyper_connections: str = "none"  # learned stream reads and writes: static, dynamic (Zhu et al.), mhc (DeepSeek)
+    attn_gate: str = "none"  # Qiu et al.'s sigmoid gate on each head's output (G1): headwise, elementwise; none
+    attn_sink: bool = False  # gpt-oss's learned sink: one logit per head joins the softmax's normalization (init 0)
 
     def normalizes(self, *places: str) -> bool:
         """Whether the row has a norm at any of `places`."""
@@ -57,9 +58,10 @@ class Scheme(NamedTuple):
 
 
 # Where a scheme can normalize: the embedding; each sub-layer's input (both, or one); q and k per head (DNT eq. 10),
-# over all heads (OLMo 2) or with v (HybridNorm); each sub-layer's output; the stream after each update (or the
-# attention's only: HybridNorm); the stream before the head.
-NORM_PLACES = ("input", "pre", "pre_attn", "pre_mlp", "qk", "qk_all", "qkv", "mid", "post", "post_attn", "final")
+# over all heads (OLMo 2) or with v (HybridNorm); k alone, v alone (per head); each sub-layer's output; the stream
+# after each update (or the attention's only: HybridNorm); the stream before the head.
+NORM_PLACES = ("input", "pre", "pre_attn", "pre_mlp", "qk", "qk_all", "qkv", "k", "v", "mid", "post", "post_attn",
+               "final")
 
 SCHEMES: dict[str, Scheme] = {
     "post": Scheme("post"),
@@ -118,6 +120,7 @@ class GPTConfig:
     norm_eps: float = 1e-5  # the norms' epsilon (q/k/v norms included)
     norm_alpha_init: float | tuple = 0.5  # DyT/Derf's initial alpha; or (attn, mlp, final), DyT's LLM recipe
     embed_scale: bool = False  # a learnable scalar, init sqrt(d), on the embedding (DyT's and Derf's LLM recipes)
+    embed_proj: bool = False  # OSP's EmbProj: learnable d x d maps after the token embedding and before the head
     mlp: str = "gelu"  # "gelu" (GPT-2), "swiglu" or "relu2" (relu(x)^2: modded-nanogpt, nanochat)
     mlp_hidden: int | None = None  # the MLP's hidden width; None: 4d for gelu, 8d/3 rounded up to 64 for swiglu
     pos: str = "learned"  # position embedding: "learned" (GPT-2) or "rope" (base 10000)
@@ -156,6 +159,7 @@ def choices() -> dict[str, tuple]:
             "init": tuple(INITS), "mlp": ("gelu", "swiglu", "relu2"), "pos": ("learned", "rope"),
             "attn_scale": tuple(ATTN_SCALES), "pre_norm_scale": ("1", "1/sqrt(l)"),
             "hyper_connections": ("none", *columns.KINDS), "first_blocks": ("same", "post", "pre"),
+            "attn_gate": ("none", *columns.GATE_KINDS),
             "geonorm_decay": ("harmonic", "sqrt", "linear", "none"), "geonorm_radius": ("embedding", "sqrt_d")}
 
 
@@ -192,14 +196,14 @@ def check_config(c: GPTConfig) -> None:
         raise ValueError(f"geonorm_clamp={c.geonorm_clamp} must lie in (0, pi]")
     if c.gain_cap is not None and c.gain_cap <= 1e-3:
         raise ValueError(f"gain_cap={c.gain_cap} must exceed the gain floor 1e-3")
-    if c.hypersphere and (c.vector_mode or c.gain_cap is not None):
+    if c.hypersphere and (c.vector_mode or c.gain_cap is not None or c.embed_proj):
         raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
-                         "it takes neither vector inputs (in_features) nor gain_cap")
+                         "it takes neither vector inputs (in_features) nor gain_cap nor embed_proj")
     check_stream_columns(c.scheme, c.hypersphere)
 
 
 def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
-    """The columns taken from other codebases: z-loss, softcaps, QK-Clip, value residual, x0 mix, hyper-connections."""
+    """The columns taken from other codebases (nanonorm/columns.py): their values and the rows they fit."""
     for key, bad, need in [(k, getattr(s, k) is not None and not getattr(s, k) > 0, "positive, or None (off)")
                            for k in ("logit_softcap", "attn_softcap", "qk_clip")] + [
             ("z_loss", not 0 <= s.z_loss < math.inf, "a finite weight >= 0 (0: off)"),
@@ -212,11 +216,16 @@ def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
     if hyper_on and (s.combine != "add" or s.normalizes("post", "post_attn") or s.first_blocks == "post"):
         raise ValueError("hyper_connections replace the residual add: give them a row with combine='add' and no post "
                          "norm (as pre, peri, sandwich, dnt, lns)")
-    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv"):
+    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv", "k"):
         raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
-    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix):
+    if s.combine == "attn_res" and (s.normalizes("post", "post_attn") or s.first_blocks == "post" or s.x0_mix):
+        raise ValueError("combine='attn_res' reads every earlier update's output in place of the stream: give it a row "
+                         "with no post norm (as pre, peri, sandwich, dnt, lns) and no x0_mix")
+    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix or s.attn_sink
+                        or s.attn_gate != "none" or s.normalizes("k", "v")):
         raise ValueError("combine='nlerp' (nGPT) keeps its stream and attention on the sphere: it takes none of "
-                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix")
+                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix, attn_gate, attn_sink and "
+                         "the norms k, v")
 
 
 # ----------------------------------------------------------------------------- norm types
@@ -241,6 +250,19 @@ class RMSNorm(nn.RMSNorm):
             return rms_norm(x, self.weight, eps)
         weight = None if self.weight is None else self.weight.flatten()
         return rms_norm(x.flatten(-dims), weight, eps).view(x.shape)
+
+
+class SingleScaleRMSNorm(nn.Module):
+    """SSNorm (Outlier-Safe Pre-Training, Park et al., arXiv 2506.19697): RMSNorm with one learnable gain shared by
+    every channel (init 1) in place of one per channel, so that no channel can be scaled up on its own."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class HeadwiseRMSNorm(nn.Module):
@@ -292,6 +314,7 @@ NORM_TYPES: dict[str, Callable[..., nn.Module]] = {
     "layernorm": lambda dim, n_head, eps, bias, alpha: nn.LayerNorm(dim, eps=eps, bias=bias),
     "rmsnorm": lambda dim, n_head, eps, bias, alpha: RMSNorm(dim, eps=eps),
     "headwise": lambda dim, n_head, eps, bias, alpha: HeadwiseRMSNorm(dim, n_head, eps=eps),
+    "ssnorm": lambda dim, n_head, eps, bias, alpha: SingleScaleRMSNorm(eps),
     "dyt": lambda dim, n_head, eps, bias, alpha: DynamicTanh(dim, alpha, bias),
     "derf": lambda dim, n_head, eps, bias, alpha: DynamicErf(dim, alpha, bias),
 }
@@ -328,13 +351,13 @@ def norm_alpha_init(config: GPTConfig, place: str) -> float:
     return config.norm_alpha_init
 
 
-def make_qkv_norm(config: GPTConfig, wanted: bool) -> nn.Module:
+def make_qkv_norm(config: GPTConfig, wanted: bool, over_heads: bool) -> nn.Module:
     """RMSNorm of (B, T, heads, head_dim) queries, keys or values: each head on its own (DNT eq. 10), or
-    the heads together with one gain per channel ("qk_all", OLMo 2's norm of the whole projection)."""
+    the heads together with one gain per channel (over_heads: "qk_all", OLMo 2's norm of the whole projection)."""
     if not wanted:
         return nn.Identity()
     scheme, head_dim = config.scheme, config.n_embd // config.n_head
-    shape = (config.n_head, head_dim) if scheme.normalizes("qk_all") else head_dim  # one gain per channel
+    shape = (config.n_head, head_dim) if over_heads else head_dim  # one gain per channel
     norm = RMSNorm(shape, eps=config.norm_eps)
     return norm if scheme.norm_affine else without_parameters(norm)
 
@@ -470,6 +493,7 @@ COMBINE_RULES: dict[str, Callable[[GPTConfig, int, int], nn.Module]] = {
     "rezero": lambda c, j, layer: ReZeroAdd(),
     "rezero_block": lambda c, j, layer: ReZeroAdd(),  # the block shares its attention's alpha with its MLP
     "nlerp": lambda c, j, layer: NormalizedLerp(c.n_embd, NGPT_ALPHA_INIT, c.n_embd**-0.5),  # nGPT §2.6
+    "attn_res": lambda c, j, layer: columns.AttentionResidual(c.n_embd, c.norm_eps),  # x: the stack of sources
 }
 
 
@@ -575,16 +599,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal softmax attention of (B, heads, T, head_dim) q, k, v: torch's fused kernel, or, where the scores
     themselves are needed (Gemma 2's attention softcap, QK-Clip's record), the same math written out:
-    softmax(mask(cap(q k^T scale))) v with the softmax in float32 (as litgpt's softcapped path)."""
+    softmax(mask(cap(q k^T scale))) v with the softmax in float32 (as litgpt's softcapped path); then gpt-oss's sink."""
 
-    def __init__(self, scale: float, dropout: float, cap: float | None = None, clip: columns.QKClip | None = None):
+    def __init__(self, scale: float, dropout: float, cap: float | None = None, clip: columns.QKClip | None = None,
+                 sink: columns.AttentionSink | None = None):
         super().__init__()
-        self.scale, self.dropout, self.cap, self.clip = scale, dropout, cap, clip
+        self.scale, self.dropout, self.cap, self.clip, self.sink = scale, dropout, cap, clip, sink
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dropout = self.dropout if self.training else 0.0
-        if self.cap is None and self.clip is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """mask(cap(q k^T scale)) in float32 at least, -inf above the diagonal; QK-Clip records them in training."""
         scores = (q @ k.transpose(-2, -1)) * self.scale
         T = scores.shape[-1]
         causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
@@ -592,9 +615,22 @@ class Attention(nn.Module):
             self.clip.record(scores, causal)
         if self.cap is not None:
             scores = columns.softcap(scores, self.cap)
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        weights = F.softmax(scores.masked_fill(~causal, -math.inf), dim=-1).to(v.dtype)
-        return F.dropout(weights, dropout) @ v
+        return scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~causal, -math.inf)
+
+    def weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The attention weights (B, heads, T, T) each query gives the keys, less the sink's share."""
+        scores = self.scores(q, k)
+        weights = F.softmax(scores, dim=-1)
+        return weights if self.sink is None else weights * self.sink.kept(scores)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        if self.cap is None and self.clip is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout)
+            return out if self.sink is None else self.sink(out, self.scores(q, k))
+        scores = self.scores(q, k)
+        out = F.dropout(F.softmax(scores, dim=-1).to(v.dtype), dropout) @ v
+        return out if self.sink is None else self.sink(out, scores)
 
 
 class CausalSelfAttention(nn.Module):
@@ -605,11 +641,16 @@ class CausalSelfAttention(nn.Module):
         # separate q/k/v maps: each is its own matrix for the inits and Muon-style optimizers
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (make_linear(config, d, d) for _ in range(4))
         scheme = config.scheme
-        self.q_norm, self.k_norm = (make_qkv_norm(config, scheme.normalizes("qk", "qk_all", "qkv")) for _ in range(2))
-        self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv"))
+        all_heads = scheme.normalizes("qk_all")
+        self.q_norm = make_qkv_norm(config, scheme.normalizes("qk", "qk_all", "qkv"), all_heads)
+        self.k_norm = make_qkv_norm(config, scheme.normalizes("qk", "qk_all", "qkv", "k"), all_heads)
+        self.v_norm = make_qkv_norm(config, scheme.normalizes("qkv", "v"), all_heads and not scheme.normalizes("v"))
         self.scale = softmax_scale(scheme.attn_scale, self.head_dim)
         clip = None if scheme.qk_clip is None else columns.QKClip(scheme.qk_clip, self.n_head, self.q_proj, self.k_proj)
-        self.attend = Attention(self.scale, config.dropout, scheme.attn_softcap, clip)
+        sink = columns.AttentionSink(self.n_head) if scheme.attn_sink else None
+        self.attend = Attention(self.scale, config.dropout, scheme.attn_softcap, clip, sink)
+        gate = scheme.attn_gate
+        self.gate = None if gate == "none" else columns.AttentionGate(gate, d, self.n_head, config.bias)
         self.value_residual = columns.ValueResidual(layer == 0) if scheme.value_residual else None
         self.rope = config.pos == "rope"
         if self.rope:
@@ -632,7 +673,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.heads(x)
         if self.value_residual is not None:  # ResFormer: the first block's values ride in ctx
             v = self.value_residual(v, ctx)
-        return self.out_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
+        y = self.attend(q, k, v)
+        if self.gate is not None:  # Qiu et al. G1: after the softmax's output, before the output projection
+            y = self.gate(y, x)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -886,6 +930,8 @@ class ResidualUpdate(nn.Module):
     def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         if self.hyper is not None:  # x: the streams (B, T, n, d)
             return self.hyper(x, self.branch, ctx)
+        if isinstance(self.combine, columns.AttentionResidual):  # x: the sources (B, T, S, d), this output appended
+            return self.combine(x, self.branch, ctx)
         return self.post_norm(self.combine(x, self.branch(x, ctx)))
 
 
@@ -919,6 +965,8 @@ class GPT(nn.Module):
         self.wte = nn.Linear(config.in_features, d, bias=False) if vector else embedding(config.vocab_size, d)
         self.wpe = embedding(config.block_size, d) if config.pos == "learned" else None
         self.embed_scale = ScalarGain(math.sqrt(d)) if config.embed_scale else nn.Identity()
+        proj = (lambda: nn.Linear(d, d, bias=config.bias)) if config.embed_proj else nn.Identity  # OSP's EmbProj:
+        self.embed_in, self.head_in = proj(), proj()  # after the token embedding, before the head (orthogonal init)
         self.input_norm = maybe_norm(config, scheme.normalizes("input"))
         self.drop = nn.Dropout(config.dropout)
         # GeoNorm's sqrt_d reading: the stream starts on the sphere of radius sqrt(d) (docs/schemes.md)
@@ -930,7 +978,9 @@ class GPT(nn.Module):
         self.lm_head = SphereHead(d, out) if config.hypersphere else nn.Linear(d, out, bias=False)
         if scheme.tie_head and not vector:
             self.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
-        self.streams = scheme.residual_streams if scheme.hyper_connections != "none" else None
+        attn_res = scheme.combine == "attn_res"  # its stream: the embedding and each update's output, stacked
+        self.streams = scheme.residual_streams if scheme.hyper_connections != "none" else 1 if attn_res else None
+        self.read_out = columns.AttentionResidual(d, config.norm_eps) if attn_res else None
         self.logit_softcap, self.z_loss = scheme.logit_softcap, scheme.z_loss
         self.apply(self._init_weights)
         for block in self.blocks:
@@ -940,6 +990,8 @@ class GPT(nn.Module):
         if scheme.init == "nanochat" and not vector:  # nanochat gpt.py init_weights
             nn.init.normal_(self.wte.weight, std=0.8)
             nn.init.normal_(self.lm_head.weight, std=0.001)
+        for proj in (p for p in (self.embed_in, self.head_in) if isinstance(p, nn.Linear)):
+            nn.init.orthogonal_(proj.weight)
         self.apply_parameter_constraints()  # constrained weights start on their sets (nGPT: unit norm)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -954,7 +1006,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=fan_in**-0.5)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
+        x = self.embed_in(self.wte(idx))
         if self.wpe is not None:
             T = idx.shape[1]
             if T > self.config.block_size:
@@ -978,7 +1030,9 @@ class GPT(nn.Module):
         ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
             x = block(x, ctx)
-        x = self.final_norm(x if self.streams is None else columns.reduce(x))
+        if self.streams is not None:  # hyper-connections sum their streams, Attention Residuals read their sources
+            x = columns.reduce(x) if self.read_out is None else self.read_out.read(x)
+        x = self.head_in(self.final_norm(x))
         if self.config.vector_mode:
             return self.lm_head(x), None
         logits = self.lm_head(x if targets is not None else x[:, [-1], :])

@@ -676,7 +676,8 @@ def initial_dual(W: Tensor, G: Tensor, dual_init: str) -> Tensor:
 def split_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """Route every trainable parameter to exactly one of three lists:
 
-    "matrix":   weights of the nn.Linear layers inside `model.blocks` (attention, MLP);
+    "matrix":   weights of the nn.Linear layers inside `model.blocks` (attention, MLP) and of OSP's embedding
+                projections (`model.embed_in`, `model.head_in`, which OSP trains with Muon);
     "decay":    every other >=2-D parameter (embeddings, output head);
     "no_decay": 1-D and 0-D parameters (norm gains, biases, scalars such as GeoNorm's a, b).
 
@@ -687,7 +688,8 @@ def split_params(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"split_params needs model.blocks, an nn.ModuleList of transformer "
                          f"blocks; {type(model).__name__} has none")
-    block_linear_weights = {id(m.weight) for m in blocks.modules() if isinstance(m, nn.Linear)}
+    hidden = [*blocks.modules(), getattr(model, "embed_in", None), getattr(model, "head_in", None)]
+    block_linear_weights = {id(m.weight) for m in hidden if isinstance(m, nn.Linear)}
     groups: dict[str, list[nn.Parameter]] = {"matrix": [], "decay": [], "no_decay": []}
     for p in model.parameters():
         if not p.requires_grad:

@@ -248,7 +248,8 @@ def read_lr_sweep(root: str) -> dict:
 
 def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
     """(root, summary) of `sweep.py --lr_grid` out_roots, refused (PlotError) when they trained on different data
-    (their recorded data fingerprints differ): their losses do not belong in one figure."""
+    (their recorded data fingerprints differ) or were judged on different metrics (val_loss, val_bpb): their losses
+    do not belong in one figure."""
     import sweep
 
     summaries = [(root, read_lr_sweep(root)) for root in roots]
@@ -256,15 +257,22 @@ def read_same_data(roots: list[str]) -> list[tuple[str, dict]]:
         sweep.check_recorded_data(summaries)
     except sweep.SweepError as e:
         raise PlotError(str(e)) from None
+    metrics = {root: sweep.summary_metric(summary) for root, summary in summaries}
+    if len(set(metrics.values())) > 1:
+        raise PlotError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
+                        metrics.items()) + "): draw sweeps of one --metric together")
     return summaries
 
 
 def load_lr_sweeps(roots: list[str]) -> dict:
     """The runs, per-point table and setup of one or more `sweep.py --lr_grid` out_roots (summary.json), trained on
-    the same data."""
-    merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": []}
+    the same data and judged on the same metric (val_loss or val_bpb, `metric`)."""
+    import sweep
+
+    merged: dict = {"runs": [], "lr_points": [], "setup": None, "lr_key": None, "keys": [], "metric": "val_loss"}
     counts = set()
     for root, summary in read_same_data(roots):
+        merged["metric"] = sweep.summary_metric(summary)
         merged["runs"] += [{**r, "root": root} for r in summary["runs"]]
         merged["lr_points"] += [{**p, "root": root} for p in summary["lr_points"]]
         merged["setup"] = merged["setup"] or summary.get("setup")
@@ -320,8 +328,8 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
 
     sweep = load_lr_sweeps(roots)
     keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
-    refs = dict(references or {})
-    if setup.get("task") == "lm" and "unigram" not in refs:
+    refs, metric = dict(references or {}), sweep["metric"]
+    if setup.get("task") == "lm" and "unigram" not in refs and metric == "val_loss":  # the unigram loss is in nats
         uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
                            (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
@@ -336,7 +344,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         label = point["label"]
         runs = [r for r in sweep["runs"] if r["root"] == point["root"] and matches(r, {k: point.get(k) for k in keys})]
         for r in first_seed_runs(runs, lr_key):  # the seed that ran every rate, as sweep.py picks it
-            loss = r.get("val_loss")
+            loss = r.get(metric)
             ok = r.get("diverged_at") is None and r.get("exit_code") in (0, None) and isinstance(loss, (int, float)) \
                 and math.isfinite(loss)
             if ok:
@@ -383,7 +391,7 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
         ax.annotate("x: diverged, crashed, or ended above 3x the median loss", (0.01, top),
                     xycoords=("axes fraction", "data"), fontsize="small", va="bottom", color="0.3")
     ax.set_xscale("log")
-    ax.set(xlabel=lr_key, ylabel="final val loss (first seed)")
+    ax.set(xlabel=lr_key, ylabel=f"final {metric.replace('_', ' ')} (first seed)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", title="sorted by mean loss at the best rate (mean ± std, n)",
               title_fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -412,8 +420,12 @@ def draw_depth(roots: list[str], heading: str | None = None):
     depths (their summary.json). Sweeps from different machines belong in different figures."""
     from matplotlib.figure import Figure
 
+    import sweep
+
     series: dict[str, dict[int, dict]] = {}
+    metric = "val_loss"
     for root, summary in read_same_data(roots):
+        metric = sweep.summary_metric(summary)
         keys = [k for k in summary["keys"] if k != "n_layer"]
         for point in summary["lr_points"]:
             depth = point.get("n_layer", (summary.get("setup") or {}).get("n_layer"))
@@ -434,7 +446,7 @@ def draw_depth(roots: list[str], heading: str | None = None):
                          label=literal(label))
         sensitive = [d for d in sorted(by_depth) if by_depth[d].get("lr_sensitivity") is not None]
         sens_ax.plot(sensitive, [by_depth[d]["lr_sensitivity"] for d in sensitive], "o-", color=f"C{i % 10}")
-    for ax, ylabel in ((loss_ax, "final val loss, held-out mean ± std at the best rate"),
+    for ax, ylabel in ((loss_ax, f"final {metric.replace('_', ' ')}, held-out mean ± std at the best rate"),
                        (sens_ax, "learning-rate sensitivity (selection seed)")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(depths, [str(d) for d in depths])

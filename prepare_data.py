@@ -3,7 +3,8 @@ Tokenize a text corpus into flat token files that train.py reads.
 
 Each dataset is a folder data/<name>/ with
     train.bin, val.bin   token ids back to back (uint16, or uint32 for vocabularies over 65536)
-    meta.json            tokenizer, vocab_size, dtype, token counts, each .bin's SHA-256, source (written last)
+    meta.json            tokenizer, vocab_size, dtype, token counts, each split's text in UTF-8 bytes (what bits per
+                         byte divide by), each .bin's SHA-256, source (written last)
 
 Documents end with GPT-2's end-of-text token (50256); with the char tokenizer they end with a
 blank line instead. A dataset is complete only when meta.json exists and its token counts
@@ -208,6 +209,33 @@ def tokenizer_from_meta(meta: dict) -> Tokenizer:
     if "token_ids" in meta:
         return compact_tokenizer(tokenizer, meta["token_ids"])
     return tokenizer
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """The UTF-8 bytes of the text each token id stands for, by id; GPT-2's end-of-text token, which ends a document
+    and stands for no text, 0 (the char tokenizer ends a document with a blank line: its two bytes count)."""
+    if tokenizer.name == "gpt2":  # a token may hold part of a character: its own bytes, not its decoded text's
+        enc = get_gpt2_encoding()
+        lengths = [len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    else:
+        lengths = [len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)]
+    if tokenizer.eot_token is not None:
+        lengths[tokenizer.eot_token] = 0
+    return np.array(lengths, dtype=np.int64)
+
+
+def text_bytes(lengths: np.ndarray, tokens: np.ndarray) -> int:
+    """The UTF-8 bytes of the text `tokens` stand for (lengths: token_byte_lengths), a block at a time."""
+    return sum(int(lengths[np.asarray(tokens[i: i + COPY_TOKENS])].sum()) for i in range(0, len(tokens), COPY_TOKENS))
+
+
+def split_bytes(meta: dict, split: str, tokens: np.ndarray) -> int:
+    """The UTF-8 bytes of a split's text: meta.json's `<split>_bytes`, or, for data prepared before meta.json
+    recorded them, counted from the split's tokens (one pass; meta.json is left as it is)."""
+    recorded = meta.get(f"{split}_bytes")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return text_bytes(token_byte_lengths(get_tokenizer(meta["tokenizer"], meta.get("chars"))), tokens)
 
 
 def compact_tokenizer(tokenizer: Tokenizer, token_ids: Sequence[int]) -> Tokenizer:
@@ -559,10 +587,11 @@ def download_shards(source: str, count: int, num_proc: int | None = None) -> lis
     return [folder / name for name in names]
 
 
-def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> tuple[int, str]:
-    """Concatenate the tokens of shards into path, checking each id; returns the number written and the
-    file's SHA-256."""
-    n_tokens, digest = 0, hashlib.sha256()
+def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None,
+                 lengths: np.ndarray) -> tuple[int, str, int]:
+    """Concatenate the tokens of shards into path, checking each id; returns the number written, the file's SHA-256
+    and the bytes of the text they stand for (lengths: GPT-2's token_byte_lengths)."""
+    n_tokens, digest, n_bytes = 0, hashlib.sha256(), 0
     with open(path, "wb") as f:
         for shard in shards:
             count = shard_token_count(shard)
@@ -579,10 +608,11 @@ def _copy_shards(path: Path, shards: list[Path], max_tokens: int | None) -> tupl
                 block = block.astype(np.uint16)
                 _write_tokens(f, block)
                 digest.update(block)
+                n_bytes += int(lengths[block].sum())
             n_tokens += count
         f.flush()
         os.fsync(f.fileno())
-    return n_tokens, digest.hexdigest()
+    return n_tokens, digest.hexdigest(), n_bytes
 
 
 def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]], source: str,
@@ -593,8 +623,11 @@ def write_shard_dataset(out_dir: str | os.PathLike, shards: dict[str, list[Path]
     for path in chain(*shards.values()):  # every header and size, before anything is copied
         shard_token_count(path)
 
-    def write_bins(work: Path) -> dict[str, tuple[int, str]]:
-        return {split: _copy_shards(work / f"{split}.bin", shards[split], max_tokens) for split in ("train", "val")}
+    lengths = token_byte_lengths(get_tokenizer("gpt2"))
+
+    def write_bins(work: Path) -> dict[str, tuple[int, str, int]]:
+        return {split: _copy_shards(work / f"{split}.bin", shards[split], max_tokens, lengths)
+                for split in ("train", "val")}
 
     meta = {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": source, "eot_token": GPT2_EOT}
     return _build_atomically(Path(out_dir), force, write_bins, meta, keep)
@@ -715,9 +748,10 @@ def _token_dtype(vocab_size: int) -> str:
 
 
 def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder,
-                 max_tokens: int | None) -> tuple[int, str]:
-    """Tokenize docs into path, chunk by chunk; returns the number of tokens written and the file's SHA-256."""
-    n_tokens, digest = 0, hashlib.sha256()
+                 max_tokens: int | None, lengths: np.ndarray) -> tuple[int, str, int]:
+    """Tokenize docs into path, chunk by chunk; returns the number of tokens written, the file's SHA-256 and the
+    bytes of the text they stand for (lengths: token_byte_lengths; a split cut by max_tokens: its tokens' text)."""
+    n_tokens, digest, n_bytes = 0, hashlib.sha256(), 0
     total = len(docs) if isinstance(docs, Sized) else None
     with open(path, "wb") as f, tqdm(total=total, desc=path.stem, unit="doc",
                                      disable=None) as bar:
@@ -727,12 +761,13 @@ def _write_split(path: Path, docs: Iterable[str], encoder: ChunkEncoder,
             _write_tokens(f, ids)
             digest.update(ids)
             n_tokens += ids.size
+            n_bytes += int(lengths[ids].sum())
             bar.update(n_docs)
             if max_tokens is not None and n_tokens >= max_tokens:
                 break
         f.flush()
         os.fsync(f.fileno())
-    return n_tokens, digest.hexdigest()
+    return n_tokens, digest.hexdigest(), n_bytes
 
 
 def _write_tokens(f, ids: np.ndarray) -> None:
@@ -868,10 +903,10 @@ def _work_folder(out: Path, keep: str | os.PathLike | None = None) -> Iterator[P
             lock_path.unlink(missing_ok=True)
 
 
-def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, tuple[int, str]]],
+def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[str, tuple[int, str, int]]],
                       meta: dict, keep: str | os.PathLike | None = None) -> dict:
     """Write {train,val}.bin with write_bins(folder) into a work folder, then meta.json (meta plus the
-    dtype, token counts and each file's SHA-256), then rename the folder to out. Returns the full meta.
+    dtype, token counts, text bytes and each file's SHA-256), then rename the folder to out. Returns the full meta.
 
     The digests name the data a checkpoint was trained on: a resume compares them (resume.check_same_data)
     without reading the files again. `keep` (the corpus being read) is never removed as a leftover."""
@@ -879,14 +914,15 @@ def _build_atomically(out: Path, force: bool, write_bins: Callable[[Path], dict[
     out.parent.mkdir(parents=True, exist_ok=True)
     with _work_folder(out, keep) as work:
         written = write_bins(work)
-        for split, (count, _) in written.items():
+        for split, (count, *_) in written.items():
             if count == 0:
                 raise ValueError(f"the {split} split of {meta['source']} is empty: give more text, "
                                  "or a larger --val_fraction")
         meta = {"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
                 "dtype": _token_dtype(meta["vocab_size"]), "train_tokens": written["train"][0],
                 "val_tokens": written["val"][0], "train_sha256": written["train"][1],
-                "val_sha256": written["val"][1], **meta}
+                "val_sha256": written["val"][1], "train_bytes": written["train"][2], "val_bytes": written["val"][2],
+                **meta}
         _write_json(work / "meta.json", meta)
         (work / WORK_MARKER).unlink()  # a finished dataset is not a work folder, whatever its name
         _swap_in(work, out, force)
@@ -913,8 +949,10 @@ def write_dataset(out_dir: str | os.PathLike, splits: dict[str, Iterable[str]],
     check_target(Path(out_dir), force)  # before any process is started
     with chunk_encoder(tokenizer, dtype, num_proc) as encoder:
 
-        def write_bins(work: Path) -> dict[str, tuple[int, str]]:
-            return {split: _write_split(work / f"{split}.bin", splits[split], encoder, max_tokens)
+        lengths = token_byte_lengths(tokenizer)
+
+        def write_bins(work: Path) -> dict[str, tuple[int, str, int]]:
+            return {split: _write_split(work / f"{split}.bin", splits[split], encoder, max_tokens, lengths)
                     for split in ("train", "val")}
 
         return _build_atomically(Path(out_dir), force, write_bins, meta, keep)

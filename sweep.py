@@ -34,6 +34,10 @@ their summaries record differ) are refused, naming both. Its rows are described,
 --row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
 trailing slash, a symlink) is read once.
 
+--metric val_bpb judges on the final val loss in bits per byte of the val split's text (train.py logs it for LM
+runs): the rate picks, means, sensitivities and verdicts all use it, so that runs with other tokenizers can be
+compared; the summary records the metric, and a leaderboard refuses sweeps judged on different ones.
+
 Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
 grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
 tables.
@@ -116,7 +120,9 @@ from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
+METRICS = ("val_loss", "val_bpb")  # what --metric can judge on, the last eval's; lower is better
 COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val loss", "{:.4f}"),  # (header, format)
+           "val_bpb": ("final val bpb", "{:.4f}"),
            "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
            "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
            "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
@@ -684,7 +690,7 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
         rows.append({"out_dir": out_dir, **(points[i] if points else info.get("point", {})),
                      "final_iter": evals[-1]["iter"] if evals else None,
                      "train_loss": evals[-1].get("train_loss") if evals else None,
-                     "val_loss": evals[-1].get("val_loss") if evals else None,
+                     **{m: evals[-1].get(m) if evals else None for m in METRICS},
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
                      "reached_max_iters": bool(max_iters) and reached_max_iters(records, max_iters[i]),
                      "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None,
@@ -693,9 +699,9 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
     return rows
 
 
-def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None) -> list[dict]:
-    """One row per grid point over its seeds. ms/iter is relative to the point that has the baseline's
-    values on the baseline's keys and this point's on the others (default: the first point)."""
+def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None, metric: str = "val_loss") -> list[dict]:
+    """One row per grid point over its seeds, the mean ± std of the final `metric`. ms/iter is relative to the point
+    that has the baseline's values on the baseline's keys and this point's on the others (default: the first)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(tuple(str(row.get(k)) for k in keys), []).append(row)
@@ -705,7 +711,7 @@ def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None) -
     baseline = baseline or dict(zip(keys, next(iter(groups)), strict=True))
     out = []
     for values, group in groups.items():
-        ok = [r["val_loss"] for r in group if math.isfinite(final_loss(r))]
+        ok = [x for r in group if math.isfinite(x := final_loss(r, metric))]
         mean = statistics.fmean(ok) if ok else None
         std = statistics.stdev(ok) if len(ok) > 1 else None
         text = "-" if mean is None else f"{mean:.4f}" + (f" ± {std:.4f}" if std is not None else "")
@@ -717,9 +723,11 @@ def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None) -
     return out
 
 
-def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """A Markdown table with aligned columns; None and NaN show as "-"."""
+def format_table(rows: list[dict], columns: list[str] | None = None, metric: str = "val_loss") -> str:
+    """A Markdown table with aligned columns; None and NaN show as "-". The mean ± std column is headed by the
+    `metric` it holds."""
     columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+    headers = {"val_loss_mean_std": f"final {metric.replace('_', ' ')} (mean ± std)"}
 
     def cell(key: str, value: object) -> str:
         if value is None or isinstance(value, float) and math.isnan(value):
@@ -727,7 +735,8 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
         default = "{:.4g}" if isinstance(value, float) else "{}"  # extra metrics
         return COLUMNS.get(key, (key, default))[1].format(value)
 
-    table = [[COLUMNS.get(c, (c,))[0] for c in columns]] + [[cell(c, row.get(c)) for c in columns] for row in rows]
+    table = [[headers.get(c, COLUMNS.get(c, (c,))[0]) for c in columns]] + [[cell(c, row.get(c)) for c in columns]
+                                                                             for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["| " + " | ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)) + " |" for line in table]
     return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
@@ -801,8 +810,9 @@ def summarize_jobs(jobs: list[dict], extra: list[str] | None = None) -> list[dic
 def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None = None, fixed: dict | None = None,
               out_root: str = "out/sweep", jobs: str | int = "auto", threads_per_run: int | None = None,
               rerun: bool = False, baseline: dict | None = None, dry_run: bool = False,
-              extra: list[str] | None = None) -> list[dict]:
-    """Run what is not finished, then print and write the summary; returns summarize()'s rows."""
+              extra: list[str] | None = None, metric: str = "val_loss") -> list[dict]:
+    """Run what is not finished, then print and write the summary (the mean ± std of `metric`); returns
+    summarize()'s rows."""
     todo = plan_runs(config, grid, seeds, fixed, out_root, rerun)
     workers, threads = parallelism(jobs, threads_per_run)
     pending = [job for job in todo if job["state"] != "finished"]
@@ -820,9 +830,9 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
         check_run_data(jobs, data)
         rows = summarize_jobs(jobs, extra)
         notes = "\n\n".join(n for n in (NO_VERDICT if baseline else None, note) if n) or None
-        write_summary(out_root, rows, aggregate(rows, list(grid), baseline), list(grid), bool(seeds),
+        write_summary(out_root, rows, aggregate(rows, list(grid), baseline, metric), list(grid), bool(seeds),
                       f"Sweep of {config} over {grid}, seeds {seeds or 'of the config'}", extra or [], notes,
-                      recorded_data(data))
+                      {**recorded_data(data), "metric": metric})
         return rows
 
     try:
@@ -836,11 +846,13 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
 def write_summary(out_root: str, rows: list[dict], points: list[dict], keys: list[str], seeds: bool, title: str,
                   extra: list[str] = (), note: str | None = None, recorded: dict | None = None):
     """Print the two tables (and the note under them) and write them to out_root/summary.md and summary.json, with
-    `recorded` (the data the runs trained on)."""
-    run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", "val_loss", *extra, "diverged_at",
-                   "exit_code", "wall_s", "ms_per_iter"]
+    `recorded` (the data the runs trained on, the metric the means are of)."""
+    metric = (recorded or {}).get("metric", "val_loss")
+    run_columns = [*keys, *(["seed"] if seeds else []), "train_loss", *dict.fromkeys(["val_loss", metric]), *extra,
+                   "diverged_at", "exit_code", "wall_s", "ms_per_iter"]
     text = "\n\n".join([format_table(rows, run_columns),
-                        format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"]),
+                        format_table(points, [*keys, "runs", "val_loss_mean_std", "diverged", "ms_vs_baseline"],
+                                     metric),
                         *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text, {**(recorded or {}), "runs": rows, "grid_points": points})
@@ -1108,10 +1120,10 @@ def crashed(row: dict) -> bool:
     return row["diverged_at"] is None and row["exit_code"] != 3 and not trained_to_end(row)
 
 
-def final_loss(row: dict) -> float:
-    """The run's final val loss for the verdict rule and the choice of rate: +inf if it diverged, crashed
-    or ended without a finite loss."""
-    loss = row.get("val_loss")
+def final_loss(row: dict, metric: str = "val_loss") -> float:
+    """The run's final val loss (or the `metric` the sweep judges on) for the verdict rule and the choice of rate:
+    +inf if it diverged, crashed or ended without a finite value."""
+    loss = row.get(metric)
     ok = row["diverged_at"] is None and trained_to_end(row) and loss is not None and math.isfinite(loss)
     return loss if ok else math.inf
 
@@ -1148,30 +1160,31 @@ def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
     return [r for r in rows if r["seed"] == first]
 
 
-def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = None) -> float | None:
+def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = None,
+                   metric: str = "val_loss") -> float | None:
     """Learning-rate sensitivity as Wortsman et al. (2023) define it, from one grid point's first-seed runs:
     the mean over the grid's (log-spaced) rates of min(final loss, initial loss) - the best final loss.
     A diverged or crashed run, or one that ends above where it started, counts at the initial loss (the
     iteration-0 val loss, one init for every rate); 0 means every rate of the grid is as good as the best.
     It depends on the grid, so points are compared over the same `rates` (default: all the point ran).
-    None when no rate trained or no run logged a finite initial loss."""
+    None when no rate trained or no run logged a finite initial loss. `metric`: the loss it is measured in."""
     rows = [r for r in rows if rates is None or float(r[lr_key]) in rates]
-    initial = next((x for r in rows if "out_dir" in r and (x := val_loss_at(r["out_dir"], 0)) is not None
+    initial = next((x for r in rows if "out_dir" in r and (x := val_loss_at(r["out_dir"], 0, metric)) is not None
                     and math.isfinite(x)), None)
-    finals = [final_loss(r) for r in rows]
+    finals = [final_loss(r, metric) for r in rows]
     if initial is None or not any(math.isfinite(x) for x in finals):
         return None
     capped = [min(x, initial) for x in finals]
     return statistics.fmean(capped) - min(capped)
 
 
-def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
+def pick_best(rows: list[dict], lr_key: str, lr_values: list[str], metric: str = "val_loss") -> dict:
     """The best rate of one grid point from its runs at every rate (on each selection seed): the lowest mean final
-    val loss over those seeds, a rate with a diverged or crashed run ranking last; the diverged and crashed
-    rates, and the edge warning."""
+    val loss (`metric`) over those seeds, a rate with a diverged or crashed run ranking last; the diverged and
+    crashed rates, and the edge warning."""
     by_rate: dict[str, list[float]] = {}
     for r in rows:
-        by_rate.setdefault(r[lr_key], []).append(final_loss(r))
+        by_rate.setdefault(r[lr_key], []).append(final_loss(r, metric))
     trained = {lr: statistics.fmean(losses) for lr, losses in by_rate.items() if all(map(math.isfinite, losses))}
     best = min(trained, key=trained.get) if trained else None
     numeric = sorted(float(v) for v in lr_values)
@@ -1184,19 +1197,21 @@ def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
     diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
     failed = list(dict.fromkeys(r[lr_key] for r in rows if crashed(r)))
     return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": failed, "edge_warning": edge,
-            "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key)}
+            "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key, metric=metric)}
 
 
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
                  seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
                  baseline: dict | None = None, claims: list | None = None, dry_run: bool = False,
-                 extra: list[str] | None = None, select_seeds: list[int] | None = None) -> list[dict]:
+                 extra: list[str] | None = None, select_seeds: list[int] | None = None,
+                 metric: str = "val_loss") -> list[dict]:
     """Each grid point at its own best learning rate, judged on seeds that did not pick it: every rate
     runs on the selection seeds (`select_seeds`; default: one seed not in `seeds`, default_select_seed), the best
     is kept (lowest mean final val loss over them; a diverged run ranks its rate last), and the held-out `seeds`
     run at that rate only. The mean ± std and the verdicts against `baseline` (each point's claim and δ from
-    `claims`, see claim_for) use the held-out seeds alone. Returns one row per grid point."""
+    `claims`, see claim_for) use the held-out seeds alone. `metric`: the final value every choice and verdict is
+    made on (val_loss, or val_bpb). Returns one row per grid point."""
     fixed = dict(fixed or {})
     if not str(fixed.get("seed", 0)).isdigit():
         raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
@@ -1222,18 +1237,19 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
 
     def picked(first_jobs: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
         rows = summarize_jobs(first_jobs, extra)
-        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values)} for p in points]
+        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values, metric)}
+                      for p in points]
 
     def finish(first_jobs: list[dict], rest_jobs: list[dict], note: str | None = None) -> list[dict]:
         check_run_data(first_jobs + rest_jobs, data)
         first_rows, choice = picked(first_jobs)
         rows = first_rows + summarize_jobs(rest_jobs, extra)
-        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select)
+        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select, metric)
         write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [],
                          f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
                          + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
                          + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
+                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data), "metric": metric,
                           **({"setup": run_setup(first[0]["argv"], len(seeds)),
                               "settings": run_settings(first[0]["argv"]),
                               "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]}
@@ -1415,7 +1431,7 @@ def compared(point: dict, base: dict, claim: str | None, delta: float = 0.0) -> 
 
 
 def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
-             claims: list | None = None, select_seeds: list[int] = ()) -> list[dict]:
+             claims: list | None = None, select_seeds: list[int] = (), metric: str = "val_loss") -> list[dict]:
     """One row per grid point: best rate, mean ± std (n) of the final val loss at it over the held-out seeds
     (every seed but `select_seeds`), and, given a baseline point, the verdict rule against it for each point's
     claim and δ (claim_for(point, claims); lr_verdict: inconclusive when a grid is too short or a best rate on its
@@ -1424,7 +1440,7 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
         return [r for r in rows if matches(r, {k: c[k] for k in keys})]
 
     def seeds_at_best(c: dict) -> dict[int, float]:
-        return {r["seed"]: final_loss(r) for r in runs_of(c) if c["best_lr"] is not None
+        return {r["seed"]: final_loss(r, metric) for r in runs_of(c) if c["best_lr"] is not None
                 and str(r[lr_key]) == str(c["best_lr"]) and r["seed"] not in select_seeds}
 
     def shortfall(c: dict) -> str | None:
@@ -1454,27 +1470,29 @@ def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str,
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
                      extra: list[str], title: str, recorded: dict, note: str | None = None) -> None:
     """Print the run table and the per-point table (and the note under them); write both to out_root/summary.md and
-    summary.json, with `recorded` (the sweep's setup, its settings, the keys it sweeps and its data: what
-    --leaderboard compares)."""
-    run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
-                   "ms_per_iter"]
+    summary.json, with `recorded` (the sweep's setup, its settings, the keys it sweeps, its data and the metric it
+    judges on: what --leaderboard compares)."""
+    metric = recorded.get("metric", "val_loss")
+    run_columns = [*keys, lr_key, "seed", "train_loss", *dict.fromkeys(["val_loss", metric]), *extra, "diverged_at",
+                   "exit_code", "wall_s", "ms_per_iter"]
     point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
                      *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
-    text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
+    text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns, metric),
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all.", *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text,
                         {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
 
 
-def val_loss_at(out_dir: str, iteration: int) -> float | None:
-    """A run's val loss at the evaluation of `iteration` (None if it logged none there); +inf after a divergence."""
+def val_loss_at(out_dir: str, iteration: int, metric: str = "val_loss") -> float | None:
+    """A run's val loss (`metric`) at the evaluation of `iteration` (None if it logged none there); +inf after a
+    divergence."""
     records = load_metrics(out_dir)
     stop = diverged_at(records)
     if stop is not None and iteration >= stop:
         return math.inf
-    return next((r["val_loss"] for r in records if r.get("kind") == "eval" and r["iter"] == iteration), None)
+    return next((r.get(metric) for r in records if r.get("kind") == "eval" and r["iter"] == iteration), None)
 
 
 def steps_to_target(out_dir: str, target: float) -> int | None:
@@ -1535,11 +1553,11 @@ def summary_mismatch(root: str, summary: dict) -> str | None:
     final losses at its best rate (on the held-out seeds, where the summary names its selection seeds), and each
     run's final val loss what its metrics.jsonl ends with. A run is looked for in root under its folder's name
     (the sweep may have been moved since), and checked if it is there: a summary may travel without its runs."""
-    keys, lr_key = summary["keys"], summary["lr_key"]
+    keys, lr_key, metric = summary["keys"], summary["lr_key"], summary_metric(summary)
     picked = set(summary.get("select_seeds", []))
     for p in summary["lr_points"]:
         at_best = {**{k: p[k] for k in keys}, lr_key: p["best_lr"]}
-        runs = {str(r["seed"]): final_loss(r) for r in summary["runs"]
+        runs = {str(r["seed"]): final_loss(r, metric) for r in summary["runs"]
                 if p["best_lr"] is not None and matches(r, at_best) and r["seed"] not in picked}
         stored = {str(s): math.inf if v is None else v for s, v in p["seed_losses"].items()}
         if stored != runs:
@@ -1553,6 +1571,11 @@ def summary_mismatch(root: str, summary: dict) -> str | None:
         if evals and evals[-1].get("val_loss") != r["val_loss"]:
             return f"{out_dir}: final val loss {r['val_loss']}, its metrics.jsonl {evals[-1].get('val_loss')}"
     return None
+
+
+def summary_metric(summary: dict) -> str:
+    """The metric an lr summary judged on: val_loss for summaries written before they recorded one."""
+    return summary.get("metric", "val_loss")
 
 
 def summary_type_error(summary: dict) -> str | None:
@@ -1579,6 +1602,8 @@ def summary_type_error(summary: dict) -> str | None:
                       ("data_fingerprint", dict)):
         if not isinstance(summary.get(key, kind()), kind):
             return f"{key} is not a {kind.__name__}"
+    if summary_metric(summary) not in METRICS:
+        return f"metric {summary['metric']!r} is none of {', '.join(METRICS)}"
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in summary.get("select_seeds", [])):
         return f"select_seeds {summary['select_seeds']!r} is not a list of seeds"
     if not all(isinstance(fp, dict) for fp in summary.get("data_fingerprint", {}).values()):
@@ -1637,6 +1662,10 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     points = []
     summaries = [(root, read_lr_summary(root)) for root in distinct_folders(roots)]
     check_recorded_data(summaries)
+    metrics = {root: summary_metric(s) for root, s in summaries}
+    if len(set(metrics.values())) > 1:
+        raise SweepError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
+                         metrics.items()) + "): run them again with one --metric to compare them")
     for root, summary in summaries:
         keys, lr_key = summary["keys"], summary["lr_key"]
         for point in summary["lr_points"]:
@@ -1663,7 +1692,8 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
     for p in sorted(points, key=lambda p: (p["val_loss_mean"] is None, p["val_loss_mean"] or 0.0)):
         row = {"label": p["label"], "best_lr": p["best_lr"], "val_loss_mean_std": p.get("val_loss_mean_std"),
                "diverged_lrs": p.get("diverged_lrs"), "edge_warning": p.get("edge_warning"),  # point_warnings' already
-               "lr_sensitivity": lr_sensitivity(p["first_runs"], p["lr_key"], shared),
+               "lr_sensitivity": lr_sensitivity(p["first_runs"], p["lr_key"], shared, summary_metric(p["summary"])),
+               "metric": summary_metric(p["summary"]),
                "lr_sensitivity_rates": over, "run_minutes": p["run_minutes"]}
         if base is not None and p is not base:
             differ = setup_difference(p["summary"], base["summary"])
@@ -1725,6 +1755,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a point's own claim and δ over --claim's (repeatable), e.g. "
                         "norm_scheme=geonorm:lower:0.05 norm_scheme=post:none; a row whose paper makes no claim "
                         "against the baseline gets none")
+    parser.add_argument("--metric", choices=METRICS, default="val_loss",
+                        help="the final value each rate pick, mean and verdict is made on: val_loss (nats per token) "
+                        "or val_bpb (bits per byte of the val text, comparable across tokenizers; LM runs)")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -1753,7 +1786,8 @@ def run_command(args: argparse.Namespace) -> int:
         if args.leaderboard:
             table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, claims)
             print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "diverged_lrs",
-                                       "lr_sensitivity", "run_minutes", "edge_warning"]))
+                                       "lr_sensitivity", "run_minutes", "edge_warning"],
+                               table[0]["metric"] if table else "val_loss"))
             rates = table[0]["lr_sensitivity_rates"] if table else ""
             print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
                   f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
@@ -1811,10 +1845,10 @@ def run_command(args: argparse.Namespace) -> int:
             if lr_values:
                 table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
                                      args.threads_per_run, args.rerun, baseline or None, claims, args.dry_run,
-                                     extra, select)
+                                     extra, select, args.metric)
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
-                             baseline or None, args.dry_run, extra)
+                             baseline or None, args.dry_run, extra, args.metric)
     except (SweepError, ConfigError, RunFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -88,8 +88,7 @@ def evaluate(model: torch.nn.Module, raw_model: GPT, task: Task, ddp: Dist, auto
     """Mean loss per split over all ranks' batches, the task's extra metrics and the residual stream's."""
     model.eval()
     out = {f"{split}_loss": split_loss(model, task, split, ddp, autocast) for split in task.eval_splits()}
-    if hasattr(task, "extra_metrics"):
-        out.update(task.extra_metrics(model, autocast))
+    out.update(task.extra_metrics(model, autocast, out))  # the LM task's val_bpb, the ICL task's losses by order
     out.update(diagnostics.residual_stream_metrics(raw_model, lm_task.val_inputs(task)))
     if skip_blocks:  # the "curse of depth" measure: the val loss without each block, less the model's
         out["block_skip_loss"] = diagnostics.block_skip_losses(
@@ -262,8 +261,8 @@ def evaluate_and_save(s: LoopState) -> int | None:
     if reason is not None:
         return report_divergence(s.log, s.ddp, s.iter_num, reason, s.raw_model, s.optimizer,
                                  lm_task.val_inputs(s.task))
-    if cfg.log_diagnostics and s.raw_model.config.scheme.combine == "geodesic":  # GeoNorm's angles
-        metrics.update(diagnostics.geonorm_angles(s.raw_model, lm_task.val_inputs(s.task)))
+    if cfg.log_diagnostics:  # per block: first-token attention mass, the stream's peak and kurtosis; GeoNorm's angles
+        metrics.update(diagnostics.forward_diagnostics(s.raw_model, lm_task.val_inputs(s.task)))
     if cfg.log_diagnostics:  # the gradients this iteration's step will apply (same batches and masks)
         forward_backward(s.model, s.task, s.ddp, s.accum, s.iter_num, s.scaler, s.autocast, cfg.seed)
         if s.ddp.master:

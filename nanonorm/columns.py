@@ -1,8 +1,9 @@
 """
 The columns of `SCHEMES` (model.py) taken from other codebases, each the plain PyTorch of its paper's equation:
 PaLM's z-loss, Gemma 2's soft caps, Kimi K2's QK-Clip, ResFormer's value residual, the x0 mix of modded-nanogpt
-and nanochat, and hyper-connections (Zhu et al.) with DeepSeek's mHC. Nothing here reads a config or imports
-the model: model.py passes plain values. Their reference code and readings: docs/schemes.md.
+and nanochat, hyper-connections (Zhu et al.) with DeepSeek's mHC, gated attention (Qiu et al.), gpt-oss's learned
+attention sink and Kimi's Attention Residuals. Nothing here reads a config or imports the model: model.py passes
+plain values. Their reference code and readings: docs/schemes.md.
 """
 
 from __future__ import annotations
@@ -72,6 +73,49 @@ class QKClip(nn.Module):
         top.fill_(-math.inf)
 
 
+# ----------------------------------------------------------------------------- attention: output gate, sink
+
+GATE_KINDS = ("headwise", "elementwise")
+
+
+class AttentionGate(nn.Module):
+    """Gated attention (Qiu et al., NeurIPS 2025, arXiv 2505.06708), their best placement G1: each head's attention
+    output Y, before the output projection, times sigmoid(X W_theta), X the attention's input (the block's normalized
+    x): Y' = Y * sigmoid(X W_theta), one gate per head ("headwise", W_theta d x heads, broadcast over the head's
+    channels) or per channel ("elementwise", d x d). The sigmoid is taken in float32 at least, as OLMo-core's
+    full-precision gate; W_theta is drawn as the row's other maps, so the gate starts near 1/2."""
+
+    def __init__(self, kind: str, d: int, n_head: int, bias: bool):
+        super().__init__()
+        self.n_head = n_head
+        self.proj = nn.Linear(d, n_head if kind == "headwise" else d, bias=bias)
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y: the heads' outputs (B, heads, T, head_dim); x: the attention's input (B, T, d)."""
+        gate = torch.sigmoid(wide(self.proj(x))).to(y.dtype)  # (B, T, heads) or (B, T, d)
+        return y * gate.unflatten(-1, (self.n_head, -1)).transpose(1, 2)  # (B, heads, T, 1 or head_dim)
+
+
+class AttentionSink(nn.Module):
+    """gpt-oss's learned attention sink: one logit s_h per head joins every query's softmax as one more key without a
+    value, takes its share of the mass, and is dropped: weights exp(a_ij) / (sum_j exp(a_ij) + exp(s_h)). Computed as
+    torchtitan's gpt-oss computes it, the plain attention's output times Z / (Z + e^s) = sigmoid(logsumexp_j a_ij -
+    s_h): the same numbers, and at s = -inf exactly the output without a sink (sigmoid(+inf) = 1). Starts at s = 0
+    (x-transformers' head_learned_sink)."""
+
+    def __init__(self, n_head: int):
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(n_head))
+
+    def kept(self, scores: torch.Tensor) -> torch.Tensor:
+        """The share of each query's mass the real keys keep, (B, heads, T, 1), from the masked scores (B, heads, T,
+        T) in float32."""
+        return torch.sigmoid(scores.logsumexp(-1, keepdim=True) - self.logit.view(-1, 1, 1))
+
+    def forward(self, out: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return out * self.kept(scores).to(out.dtype)
+
+
 class ValueResidual(nn.Module):
     """ResFormer's value residual (Zhou et al., arXiv 2410.17897): v_l <- lambda_l v_l + (1 - lambda_l) v_1, v_1 the
     first block's values (kept in the forward pass's `ctx`), lambda_l one learnable scalar per block from 1/2, the
@@ -112,6 +156,38 @@ class X0Mix(nn.Module):
 
     def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         return self.resid.to(x.dtype) * x + self.x0.to(x.dtype) * x0
+
+
+# ----------------------------------------------------------------------------- Attention Residuals
+
+
+class AttentionResidual(nn.Module):
+    """Attention Residuals (Kimi Team, arXiv 2603.15031), the full form: residual update j reads a softmax over depth
+    in place of the sum of the earlier updates,
+
+        h_j = sum_i alpha_ij v_i,   alpha_ij = softmax_i(w_j . RMSNorm(v_i)),   i = 0..j-1
+
+    over the sources v_0 = the embedding and v_i = the output of update i (its pre-norm, sub-layer and mid-norm; the
+    keys are the values, RMS-normalized with a gain so that a large source does not win by its size), w_j a learned
+    pseudo-query of update j that starts at 0 (the sources averaged); update j's output becomes source j. The stream
+    is the stack of sources (B, T, S, d), so memory grows with depth (the paper's O(L d)); `read` alone is the
+    aggregation before the final norm, with its own pseudo-query."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.query = nn.Parameter(torch.zeros(d))  # w_j
+        self.key_gain = nn.Parameter(torch.ones(d))
+
+    def read(self, sources: torch.Tensor) -> torch.Tensor:
+        """h = sum_i alpha_i v_i over the sources (B, T, S, d), the weights in float32 at least."""
+        keys = F.rms_norm(wide(sources), (sources.shape[-1],), self.key_gain.to(wide(sources).dtype), self.eps)
+        alpha = torch.softmax(keys @ self.query.to(keys.dtype), dim=-1)  # (B, T, S)
+        return (alpha.unsqueeze(-1) * sources).sum(-2).to(sources.dtype)
+
+    def forward(self, sources: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        y = branch(self.read(sources), *args)
+        return torch.cat([sources, y.to(sources.dtype).unsqueeze(-2)], dim=-2)
 
 
 # ----------------------------------------------------------------------------- hyper-connections

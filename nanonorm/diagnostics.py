@@ -5,7 +5,9 @@ and the model's mode restored afterwards, whatever happens; gradient statistics 
 Every evaluation logs residual_stream_metrics (block_activation_rms: the residual stream's RMS after each
 block, Bir et al. Fig. 3; max_attention_logits: each block's largest attention logit, the growth QK-norm
 bounds). With log_diagnostics, written to the eval lines as well: gradient_statistics (per-parameter
-gradient norms and the tail of |g|, DNT Fig. 1, from the gradients that iteration's step applies) and, on a
+gradient norms and the tail of |g|, DNT Fig. 1, from the gradients that iteration's step applies) and
+forward_diagnostics: per block the attention mass on the first token (the attention sink), the stream's largest
+|activation| over its median (massive activations) and its excess kurtosis (outlier channels), and, on a
 geodesic model, geonorm_angles (GeoNorm's theta' per layer); each costs one extra forward (and backward)
 per evaluation. device_peak_flops gives the matmul peak that MFU is measured against.
 """
@@ -72,6 +74,74 @@ def residual_stream_metrics(model: GPT, inputs: torch.Tensor) -> dict[str, list[
     """The eval line's per-block metrics on one batch: the residual stream's RMS after each block (Bir et al.
     Fig. 3), and each block's largest attention logit (the growth QK-norm bounds)."""
     return {"block_rms": block_activation_rms(model, inputs), "attn_logit_max": max_attention_logits(model, inputs)}
+
+
+def first_token_mass(weights: torch.Tensor) -> torch.Tensor:
+    """The attention sink's measure: the mean over batch, heads and queries of the weight each query gives key 0, from
+    causal attention weights (..., T, T). Query 0 is left out: its only key is itself, mass 1 in every model."""
+    return weights[..., 1:, 0].float().mean()
+
+
+def max_over_median(x: torch.Tensor) -> torch.Tensor:
+    """Massive activations (Sun et al. 2024): the largest |x| over the median |x|, over every entry of x."""
+    a = x.detach().float().abs().flatten()
+    return a.max() / a.median()
+
+
+def excess_kurtosis(x: torch.Tensor) -> torch.Tensor:
+    """Outlier channels (OSP's measure): each vector's excess kurtosis over its channels (the last dim),
+    E[(x - mean)^4] / Var^2 - 3 with population moments (0 for a Gaussian, 27 for one spike among 32 channels),
+    averaged over the vectors. OSP's evaluate_kurtosis.py also takes the raw fourth moment over the (unbiased) std
+    and clips each token's value at 0; neither here, so that a Gaussian stream reads 0."""
+    centered = x.detach().float() - x.detach().float().mean(-1, keepdim=True)
+    variance = centered.square().mean(-1)
+    return (centered.pow(4).mean(-1) / variance.square() - 3).mean()
+
+
+def attention_weights(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The weights (B, heads, T, T) an attention module gives each key on its input x, as its forward computes
+    them (softcap and sink included; nGPT's: the plain causal softmax of its scaled unit q, k)."""
+    q, k, _ = attn.heads(x)
+    if isinstance(attn, CausalSelfAttention):
+        return attn.attend.weights(q, k)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * attn.scale
+    T = scores.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, -math.inf), dim=-1)
+
+
+@torch.no_grad()
+def stream_statistics(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
+    """From one forward pass in eval mode, per block: the attention mass on the first token (first_token_mass: the
+    sink gated attention and learned sinks are claimed to remove), and of the block's output stream its largest
+    |activation| over its median (max_over_median) and its excess kurtosis over the channels (excess_kurtosis).
+    The stream is what each block hands on: nGPT's unit-norm h, GeoNorm's stream, hyper-connections' n streams,
+    Attention Residuals' stacked sources."""
+    mass: list[torch.Tensor] = []
+    peaks: list[torch.Tensor] = []
+    kurtosis: list[torch.Tensor] = []
+
+    def attention(attn: nn.Module, args: tuple) -> None:
+        mass.append(first_token_mass(attention_weights(attn, args[0])))
+
+    def stream(block: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        peaks.append(max_over_median(out))
+        kurtosis.append(excess_kurtosis(out))
+
+    attns = [m for m in model.modules() if isinstance(m, (CausalSelfAttention, SphereAttention))]
+    forward_with_hooks(model, inputs, [m.register_forward_pre_hook(attention) for m in attns]
+                       + [b.register_forward_hook(stream) for b in model.blocks])
+    return {"attn_first_token_mass": torch.stack(mass).tolist(), "stream_max_over_median": torch.stack(peaks).tolist(),
+            "stream_excess_kurtosis": torch.stack(kurtosis).tolist()}
+
+
+def forward_diagnostics(model: GPT, inputs: torch.Tensor) -> dict[str, list[float]]:
+    """The eval line's forward diagnostics with log_diagnostics: stream_statistics, and GeoNorm's angles on a
+    geodesic model."""
+    out = stream_statistics(model, inputs)
+    if model.config.scheme.combine == "geodesic":
+        out.update(geonorm_angles(model, inputs))
+    return out
 
 
 @torch.no_grad()

@@ -5,7 +5,8 @@ embedded Shakespeare corpus is prepared on first use). Parallel to icl_task.py; 
 Guarantees: window k of iteration i is a pure function of (seed, split, i, k) (stream_seed), and so are
 the dropout masks of micro-batch k (dropout_seed), never of which rank or how many ranks draw them; every
 token id in the data lies in meta.json's vocabulary; a block_size or batch_size that cannot fit stops with
-a message (exit 2) before anything is allocated. print_sample shows text from the trained model.
+a message (exit 2) before anything is allocated. Every evaluation also reports val_bpb, the val loss in bits per
+byte of the split's UTF-8 text, comparable across tokenizers. print_sample shows text from the trained model.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class TextData:
                        for s in self.SPLITS}
         self.block_size, self.batch_size, self.seed, self.device = block_size, cfg.batch_size, cfg.seed, device
         check_token_ids(self.meta, self.arrays, path)
+        self.tokens_per_byte = {s: tokens_per_byte(self.meta, s, self.arrays[s]) for s in self.SPLITS}
         self.to_compact = None
         if cfg.compact_vocab:  # model id k stands for dataset id token_ids[k]; one pass over the data
             used = np.unique(np.concatenate([np.unique(data) for data in self.arrays.values()]))
@@ -88,6 +90,13 @@ class TextData:
         else:
             xy = xy.to(self.device)
         return xy[:, :-1], xy[:, 1:]
+
+
+def tokens_per_byte(meta: dict, split: str, tokens: np.ndarray) -> float:
+    """A split's tokens over the UTF-8 bytes of its text (prepare_data.split_bytes): 1 for a char dataset of ASCII
+    text, about 1/4 for GPT-2 BPE on English; NaN for a split that holds no text."""
+    n_bytes = prepare_data.split_bytes(meta, split, tokens)
+    return meta[f"{split}_tokens"] / n_bytes if n_bytes else math.nan
 
 
 def prepare_embedded(dataset: str, data_dir: str) -> None:
@@ -146,6 +155,10 @@ class LanguageModelTask:
 
     def eval_splits(self) -> tuple[str, ...]:
         return ("train", "val")
+
+    def extra_metrics(self, model, autocast, losses: dict) -> dict:
+        """val_bpb: bits per byte, the val loss (nats per token) / ln 2 * the val split's tokens per byte."""
+        return {"val_bpb": losses["val_loss"] / math.log(2) * self.data.tokens_per_byte["val"]}
 
 
 def check_batch_fits(cfg: TrainConfig, model_args: dict, device: str) -> None:

@@ -38,7 +38,7 @@ class TrainConfig:
     overwrite: bool = False  # let a new run delete an earlier run's checkpoints and metrics in out_dir
     keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: none)
     sample_tokens: int = 0  # print this many tokens sampled from the final model (task lm)
-    log_diagnostics: bool = False  # eval lines: gradient statistics, GeoNorm angles; at the end each block skip loss
+    log_diagnostics: bool = False  # eval lines: gradients, sink mass, stream peak and kurtosis; at the end skip losses
     # data
     task: str = "lm"  # "lm": next-token prediction; "icl": Bir et al.'s in-context least squares (icl_task.py)
     dataset: str = "shakespeare_char"  # a folder of data_dir made by prepare_data.py (the embedded ones: on first use)
@@ -112,7 +112,7 @@ def places_norm(m: GPTConfig) -> bool:
 
 def normalizes_heads(m: GPTConfig) -> bool:
     """Whether q, k (or v) go through an RMSNorm (nGPT's sphere attention normalizes them its own way)."""
-    return m.scheme.normalizes("qk", "qk_all", "qkv") and not m.hypersphere
+    return m.scheme.normalizes("qk", "qk_all", "qkv", "k", "v") and not m.hypersphere
 
 
 def uses(*optimizers: str) -> tuple[Callable[[TrainConfig, GPTConfig], bool], str]:

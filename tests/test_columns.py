@@ -311,6 +311,13 @@ def test_nanochat_has_no_learnable_norm_parameter_and_starts_as_nanochat_does():
     (dict(norm_scheme="post", overrides={"hyper_connections": "static"}), "replace the residual add"),
     (dict(norm_scheme="dnt", overrides={"qk_clip": 100.0}), "q/k norm undoes"),
     (dict(norm_scheme="ngpt", overrides={"x0_mix": True}), "on the sphere"),
+    (dict(overrides={"attn_gate": "per_head"}), "attn_gate='per_head'"),
+    (dict(norm_scheme="ngpt", overrides={"attn_sink": True}), "on the sphere"),
+    (dict(norm_scheme="ngpt", overrides={"norms": "qk+v"}), "on the sphere"),
+    (dict(norm_scheme="ngpt", embed_proj=True), "nor embed_proj"),
+    (dict(norm_scheme="post", overrides={"combine": "attn_res"}), "combine='attn_res' reads"),
+    (dict(overrides={"combine": "attn_res", "x0_mix": True}), "combine='attn_res' reads"),
+    (dict(overrides={"norms": "pre+k+final", "qk_clip": 100.0}), "q/k norm undoes"),
 ])
 def test_impossible_settings_of_the_new_columns_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -450,3 +457,217 @@ def test_mhc_write_is_two_sigmoids_and_its_mix_is_gated_by_its_own_gate():
     assert (write > 0).all() and (write < 2).all() and write.max() > 1.2 and write.min() < 0.8
     expected = sinkhorn_knopp(conn.bias[8:].view(4, 4)).expand_as(mix)
     torch.testing.assert_close(mix, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- gated attention, sink, k/v norms
+
+
+def with_row_weights(config: GPTConfig, row: GPTConfig, prepare=None) -> torch.Tensor:
+    """The logits of a model of `config` that holds the weights of the row's model (drawn with seed 0; the column's
+    own parameters keep their init), after `prepare(model)`: a column's parameters drawn at init shift the random
+    draws of every module after them, so the row's weights are copied in."""
+    torch.manual_seed(0)
+    donor = GPT(row)
+    torch.manual_seed(0)
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(donor.state_dict(), strict=False)
+    assert not unexpected
+    if prepare is not None:
+        with torch.no_grad():
+            prepare(model)
+    return model(tokens(), tokens())[0]
+
+
+def split_heads(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    return t.unflatten(-1, (n_head, -1)).transpose(1, 2)  # (B, T, d) -> (B, heads, T, head_dim)
+
+
+@pytest.mark.parametrize("kind", ["headwise", "elementwise"])
+def test_attention_gate_multiplies_each_heads_output_by_a_sigmoid_of_the_attention_input(kind):
+    """Qiu et al. G1: Y' = Y * sigmoid(X W_theta), X the attention's input, Y the softmax's output per head, before
+    W_O; headwise one gate per head, elementwise one per channel. float64: the same math in another order agrees to
+    ~1e-15; 1e-12 allows for it."""
+    torch.manual_seed(0)
+    attn = GPT(tiny(n_layer=1, n_head=4, overrides={"attn_gate": kind})).double().blocks[0].attn.sublayer
+    with torch.no_grad():
+        attn.gate.proj.weight.normal_(0, 0.5)  # gates spread over (0, 1)
+        attn.gate.proj.bias.normal_(0, 0.5)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    q, k, v = (split_heads(F.linear(x, p.weight, p.bias), 4) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    y = reference_attention(q, k, v, 8**-0.5)
+    gate = torch.sigmoid(F.linear(x, attn.gate.proj.weight, attn.gate.proj.bias))  # (B, T, 4) or (B, T, 32)
+    assert gate.shape[-1] == (4 if kind == "headwise" else 32) and gate.min() < 0.2 and gate.max() > 0.8
+    gated = y * (gate.transpose(1, 2).unsqueeze(-1) if kind == "headwise" else split_heads(gate, 4))
+    expected = F.linear(gated.transpose(1, 2).flatten(-2), attn.out_proj.weight, attn.out_proj.bias)
+    torch.testing.assert_close(attn(x), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["headwise", "elementwise"])
+def test_attention_gate_of_ones_is_the_row(kind):
+    """sigmoid(+inf) = 1 exactly: with the gate's map at 0 and its bias at +inf the row's logits, bit for bit."""
+    def open_gates(model):
+        for block in model.blocks:
+            block.attn.sublayer.gate.proj.weight.zero_()
+            block.attn.sublayer.gate.proj.bias.fill_(math.inf)
+
+    assert torch.equal(with_row_weights(tiny(overrides={"attn_gate": kind}), tiny(), open_gates), logits_of(tiny()))
+
+
+def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's definition: one more column holding the head's sink logit joins each row's softmax, then is dropped."""
+    column = sink.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+@pytest.mark.parametrize("cap", [None, 5.0])  # the fused path, and the explicit one a softcap takes
+def test_attention_sink_joins_each_softmax_and_is_dropped(cap):
+    """The sink's logit joins the normalization (softmax over [scores, s_h], the sink's column dropped): computed as
+    the plain output times sigmoid(logsumexp - s), the same numbers to float64 rounding (1e-12)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    sink = columns.AttentionSink(3).double()
+    with torch.no_grad():
+        sink.logit.copy_(torch.tensor([2.0, -1.0, 0.5]))
+    attend = model.Attention(8**-0.5, 0.0, cap=cap, sink=sink)
+    scores = q @ k.transpose(-2, -1) * 8**-0.5
+    scores = scores if cap is None else cap * torch.tanh(scores / cap)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    weights = softmax_with_sink(scores.masked_fill(~causal, -math.inf), sink.logit.detach())
+    assert (weights.sum(-1) < 1 - 1e-3).all()  # every query gave the sink a share
+    torch.testing.assert_close(attend.weights(q, k), weights, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(attend(q, k, v), weights @ v, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("row", [{}, {"attn_softcap": 30.0}])
+def test_attention_sink_at_minus_infinity_is_the_row(row):
+    """s = -inf takes no mass: the row's logits bit for bit, on the fused path and on the explicit one."""
+    def no_sink(model):
+        for block in model.blocks:
+            block.attn.sublayer.attend.sink.logit.fill_(-math.inf)
+
+    assert torch.equal(with_row_weights(tiny(overrides={**row, "attn_sink": True}), tiny(overrides=row), no_sink),
+                       logits_of(tiny(overrides=row)))
+
+
+@pytest.mark.parametrize("place", ["k", "v"])
+def test_k_and_v_norms_normalize_only_their_own_heads(place):
+    """norms `k` and `v`: RMSNorm of each head's keys (values) alone, with one gain per channel; the queries and the
+    other projection are the plain maps. float64: 1e-12."""
+    torch.manual_seed(0)
+    attn = GPT(tiny(n_layer=1, n_head=4, overrides={"norms": f"pre+{place}+final"})).double().blocks[0].attn.sublayer
+    normed = attn.k_norm if place == "k" else attn.v_norm
+    assert isinstance(normed, nn.RMSNorm) and normed.weight.shape == (8,)
+    other = attn.v_norm if place == "k" else attn.k_norm
+    assert isinstance(attn.q_norm, nn.Identity) and isinstance(other, nn.Identity)
+    with torch.no_grad():
+        normed.weight.normal_(1, 0.5)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain = [split_heads(F.linear(x, p.weight, p.bias), 4) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    i = "qkv".index(place)
+    plain[i] = plain[i] / plain[i].square().mean(-1, keepdim=True).add(1e-5).sqrt() * normed.weight
+    for got, want in zip(attn.heads(x), plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_k_and_v_places_compose_with_the_qk_and_qkv_places():
+    """qk + v builds the norms qkv builds and qk + k those of qk, drawn alike: the same logits, bit for bit."""
+    def logits(norms):
+        return logits_of(tiny(overrides={"norms": norms}))
+
+    assert torch.equal(logits("pre+qk+v+final"), logits("pre+qkv+final"))
+    assert torch.equal(logits("pre+qk+k+final"), logits("pre+qk+final"))
+    assert not torch.equal(logits("pre+k+final"), logits("pre+qk+final"))
+
+
+# ----------------------------------------------------------------------------- SSNorm and EmbProj (OSP)
+
+
+def test_ssnorm_is_rmsnorm_with_one_shared_gain_and_at_gain_one_the_rmsnorm_row():
+    """OSP's SSNorm: g x / sqrt(mean(x^2) + eps), one learnable scalar g for every channel; at g = 1 the same as
+    RMSNorm with its gains at 1, so the row with norm=rmsnorm at init, bit for bit."""
+    norm = model.make_norm("ssnorm", 32, 2, 1e-5, True, 0.5).double()
+    assert [p.shape for p in norm.parameters()] == [torch.Size([])]
+    with torch.no_grad():
+        norm.weight.fill_(1.7)
+    x = 3 * torch.randn(4, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(norm(x), 1.7 * x / x.square().mean(-1, keepdim=True).add(1e-5).sqrt(),
+                               rtol=1e-12, atol=1e-12)  # float64 rounding
+    assert torch.equal(logits_of(tiny(norm="ssnorm")), logits_of(tiny(norm="rmsnorm")))
+
+
+def test_embed_proj_maps_the_token_embedding_and_the_heads_input_and_at_the_identity_is_the_row():
+    """OSP's EmbProj: x = R_1 e(token) + b_1 + p(position) into the first block, logits = W (R_2 N(x_L) + b_2);
+    R_1, R_2 start orthogonal; at R = I, b = 0 the row's logits bit for bit (x I^T adds only exact zeros)."""
+    torch.manual_seed(0)
+    m = GPT(tiny(embed_proj=True)).double()
+    for proj in (m.embed_in, m.head_in):
+        torch.testing.assert_close(proj.weight @ proj.weight.T, torch.eye(32, dtype=torch.float64), rtol=0, atol=1e-6)
+        with torch.no_grad():
+            proj.bias.normal_(0, 0.1)
+    idx = tokens()
+    embedded = F.linear(m.wte(idx), m.embed_in.weight, m.embed_in.bias) + m.wpe(torch.arange(16))
+    torch.testing.assert_close(m.embed(idx), embedded, rtol=1e-12, atol=1e-12)  # float64 rounding
+    (last,) = inputs_of([m.final_norm], lambda: m(idx, idx))
+    head_in = F.linear(m.final_norm(last), m.head_in.weight, m.head_in.bias)
+    torch.testing.assert_close(m(idx, idx)[0], head_in @ m.wte.weight.T, rtol=1e-12, atol=1e-12)
+
+    def identity(model):
+        for proj in (model.embed_in, model.head_in):
+            proj.weight.copy_(torch.eye(32))
+            proj.bias.zero_()
+
+    assert torch.equal(with_row_weights(tiny(embed_proj=True), tiny(), identity), logits_of(tiny()))
+
+
+def test_embed_proj_maps_are_hidden_matrices_for_the_optimizers():
+    """OSP trains R_1, R_2 with Muon, the embedding with AdamW: they are routed with the blocks' matrices."""
+    import optim
+
+    m = GPT(tiny(embed_proj=True))
+    matrices = {id(p) for p in optim.split_params(m)["matrix"]}
+    assert id(m.embed_in.weight) in matrices and id(m.head_in.weight) in matrices
+    assert id(m.wte.weight) not in matrices
+
+
+# ----------------------------------------------------------------------------- Attention Residuals
+
+
+def test_attention_residuals_read_a_softmax_over_the_embedding_and_every_earlier_output():
+    """Kimi's AttnRes, written out over two blocks (four updates): update j reads h_j = sum_i alpha_ij v_i with
+    alpha_ij = softmax_i(w_j . RMSNorm(v_i)), v_0 the embedding and v_i update i's output (pre-norm, sub-layer);
+    the head reads the same over all five sources with its own w. float64, pseudo-queries and key gains drawn away
+    from their init: 1e-10 covers the rounding of the softmax-weighted sums."""
+    torch.manual_seed(0)
+    m = GPT(tiny(n_layer=2, overrides={"combine": "attn_res"})).double()
+    readers = [u.combine for b in m.blocks for u in (b.attn, b.mlp)] + [m.read_out]
+    with torch.no_grad():
+        for r in readers:
+            r.query.normal_(0, 1.0)
+            r.key_gain.normal_(1, 0.3)
+    idx = tokens()
+
+    def read(r, sources):
+        keys = [v / v.square().mean(-1, keepdim=True).add(1e-5).sqrt() * r.key_gain for v in sources]
+        alpha = torch.softmax(torch.stack([key @ r.query for key in keys]), dim=0)  # (sources, B, T)
+        assert len(sources) == 1 or alpha.min() < 0.9 / len(sources)  # the weights are not uniform
+        return sum(a.unsqueeze(-1) * v for a, v in zip(alpha, sources, strict=True))
+
+    sources = [m.embed(idx)]
+    updates = [u for b in m.blocks for u in (b.attn, b.mlp)]
+    for r, update in zip(readers, updates, strict=False):
+        h = read(r, sources)
+        sources.append(update.sublayer(update.pre_norm(h), {}) if update is updates[0] or update is updates[2]
+                       else update.sublayer(update.pre_norm(h)))
+    logits = m.lm_head(m.final_norm(read(m.read_out, sources)))
+    torch.testing.assert_close(m(idx, idx)[0], logits, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("scheme", ["pre", "sandwich"])
+def test_attention_residuals_at_init_read_the_rows_sum_through_its_scale_invariant_norms(scheme):
+    """No setting makes AttnRes the plain sum (its weights sum to 1); at init (w = 0) each update reads the mean of
+    its j sources, the row's stream divided by j, and a norm without eps is blind to that factor: the row's
+    logits to float64 rounding (1e-10), with norm_eps = 0. There is no bit-for-bit identity."""
+    row = tiny(norm_scheme=scheme, norm_eps=0.0)
+    attn_res = tiny(norm_scheme=scheme, norm_eps=0.0, overrides={"combine": "attn_res"})
+    torch.testing.assert_close(logits_of(attn_res, dtype=torch.float64), logits_of(row, dtype=torch.float64),
+                               rtol=1e-10, atol=1e-10)

@@ -81,6 +81,38 @@ def test_every_column_from_other_codebases_traces_to_one_graph(kind):
     assert_one_graph(columns_config(kind))
 
 
+# the 2025-26 columns (tests/test_columns.py): Qiu et al.'s gate with gpt-oss's sink (on the fused path and, with a
+# softcap, the explicit one), key and value norms, OSP's SSNorm and embedding projections; Attention Residuals
+NEW_COLUMNS = {
+    "gate_sink_kv_ssnorm_embed_proj": dict(norm="ssnorm", embed_proj=True, overrides=dict(
+        attn_gate="elementwise", attn_sink=True, norms="pre+k+v+final")),
+    "attn_res_headwise_gate_softcapped_sink": dict(pos="rope", overrides=dict(
+        combine="attn_res", attn_gate="headwise", attn_sink=True, attn_softcap=50.0, value_residual=True)),
+}
+
+
+def new_columns_config(case: str) -> GPTConfig:
+    return GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32, **NEW_COLUMNS[case])
+
+
+@pytest.mark.parametrize("case", ["attn_res_headwise_gate_softcapped_sink",
+                                  pytest.param("gate_sink_kv_ssnorm_embed_proj", marks=pytest.mark.compile)])
+def test_gated_attention_sink_kv_norms_ssnorm_embed_proj_and_attn_res_trace_to_one_graph(case):
+    assert_one_graph(new_columns_config(case))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", list(NEW_COLUMNS))
+def test_compiled_new_columns_match_eager(case):
+    torch.manual_seed(0)
+    model = GPT(new_columns_config(case))
+    idx = torch.randint(0, 64, (2, 16))
+    eager_logits, eager_loss = model(idx, idx)
+    logits, loss = torch.compile(model)(idx, idx)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-5)  # as below: reordered float32 sums
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.compile
 def test_compiled_columns_from_other_codebases_match_eager():
     torch.manual_seed(0)

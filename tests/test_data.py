@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import types
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -315,10 +315,10 @@ def test_force_replaces_only_a_prepared_dataset(tmp_path, capsys):
 def test_dataset_finished_meanwhile_by_another_run_is_kept(tmp_path, monkeypatch, char_tokenizer):
     out, write_split = tmp_path / "d", prepare_data._write_split
 
-    def other_run_finishes_first(path, docs, encoder, max_tokens):
+    def other_run_finishes_first(path, *args):
         monkeypatch.setattr(prepare_data, "_write_split", write_split)
         write_dataset(out, {"train": ["theirs"], "val": ["theirs"]}, char_tokenizer, "theirs")
-        return write_split(path, docs, encoder, max_tokens)
+        return write_split(path, *args)
 
     monkeypatch.setattr(prepare_data, "_write_split", other_run_finishes_first)
     with pytest.raises(FileExistsError, match="--force"):
@@ -917,3 +917,43 @@ def test_marked_work_folder_given_as_input_is_kept(tmp_path, char_tokenizer):
     assert (leftover / "a.txt").exists() and load_meta(tmp_path / "d_char")["source"] == str(leftover)
     prepare("d", tokenizer="char", input=str(leftover / "a.txt"), data_dir=str(tmp_path), force=True)
     assert (leftover / "a.txt").exists()
+
+
+# ----------------------------------------------------------------------------- the splits' text in bytes
+
+
+@pytest.mark.parametrize("name", ["char", "gpt2"])
+def test_meta_records_each_splits_text_in_utf8_bytes(name, tmp_path):
+    """<split>_bytes is the UTF-8 size of the split's text: each document with the char tokenizer's blank line after
+    it, or without GPT-2's end-of-text token, which stands for no text (exact counts). Non-ASCII characters count
+    by their bytes, so the char dataset has more bytes than tokens and BPE fewer tokens than bytes."""
+    docs = {"train": ["naïve café — the 3 ☕ cups.", "plain ascii text, twice over."], "val": ["über señor ✓", "ok"]}
+    chars = sorted(set("\n").union(*(set(d) for d in chain(*docs.values()))))
+    tok = get_tokenizer(name, chars if name == "char" else None)
+    meta = write_dataset(tmp_path / "d", docs, tok, "t")
+    for split, texts in docs.items():
+        ends = "\n\n" if name == "char" else ""
+        assert meta[f"{split}_bytes"] == sum(len((t.rstrip("\n") + ends).encode("utf-8")) for t in texts)
+        assert load_meta(tmp_path / "d")[f"{split}_bytes"] == meta[f"{split}_bytes"]
+        tokens = read_tokens(tmp_path / "d", split)
+        assert prepare_data.split_bytes({k: v for k, v in meta.items() if not k.endswith("_bytes")}, split,
+                                        tokens) == meta[f"{split}_bytes"]  # counted again from the tokens
+        if name == "char":
+            assert meta[f"{split}_bytes"] > meta[f"{split}_tokens"]
+        else:
+            assert meta[f"{split}_tokens"] < meta[f"{split}_bytes"]
+
+
+def test_shards_record_the_bytes_of_their_text(tmp_path):
+    """A dataset copied from GPT-2 token shards records the bytes its tokens stand for, end-of-text tokens none."""
+    enc = get_gpt2_encoding()
+    texts = {"train": "Some training text, with ünïcode.", "val": "Held out: ☕."}
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for split, text in texts.items():
+        ids = np.array([enc.eot_token, *enc.encode_ordinary(text)], dtype="<u2")
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = (prepare_data.SHARD_MAGIC, prepare_data.SHARD_VERSION, ids.size)
+        (folder / f"x_{split}_000000.bin").write_bytes(header.tobytes() + ids.tobytes())
+    meta = load_meta(prepare("corpus", input=str(folder), data_dir=str(tmp_path / "data")))
+    assert {s: meta[f"{s}_bytes"] for s in texts} == {s: len(t.encode("utf-8")) for s, t in texts.items()}

@@ -21,7 +21,14 @@ from model import (
     geonorm_decay,
     rope_tables,
 )
-from nanonorm.diagnostics import block_activation_rms, max_attention_logits
+from nanonorm.diagnostics import (
+    block_activation_rms,
+    excess_kurtosis,
+    first_token_mass,
+    max_attention_logits,
+    max_over_median,
+    stream_statistics,
+)
 
 NORM_MODULES = (nn.LayerNorm, nn.RMSNorm, HeadwiseRMSNorm)
 
@@ -569,6 +576,96 @@ def test_block_activation_rms_is_the_root_mean_square_of_each_block_output():
     assert all(r < 0.5 for r in expected)  # well below 1, where an RMS and its square are far apart
     # float32 sums of 1024 squares: ~1e-6 relative
     assert block_activation_rms(model, idx) == pytest.approx(expected, rel=1e-5)
+
+
+def test_first_token_mass_is_one_for_a_head_on_token_zero_and_the_harmonic_mean_for_uniform_heads():
+    """Known answers: a head whose queries all attend to key 0 has mass 1; a causal uniform head gives query t a
+    weight 1/(t + 1) on key 0, so its mass is the mean of 1/(t + 1) over t = 1..T-1 (query 0 is left out)."""
+    T = 8
+    on_first = torch.zeros(2, 3, T, T)
+    on_first[..., 0] = 1.0
+    assert first_token_mass(on_first).item() == 1.0
+    uniform = torch.ones(T, T).tril() / torch.arange(1, T + 1).view(T, 1)
+    expected = sum(1 / (t + 1) for t in range(1, T)) / (T - 1)
+    assert first_token_mass(uniform.expand(2, 3, T, T)).item() == pytest.approx(expected, rel=1e-6)  # float32
+
+
+def attend_to_first_token(model: GPT) -> None:
+    """Make every query of the first block attend to key 0: only position 0 has a non-zero input (a learned position
+    embedding), the keys are the normalized input, and every query is a large multiple of key 0."""
+    attn = model.blocks[0].attn.sublayer
+    with torch.no_grad():
+        model.wte.weight.zero_()
+        model.wpe.weight.zero_()
+        model.wpe.weight[0].normal_(0, 1.0)
+        normed = model.blocks[0].attn.pre_norm(model.wpe.weight[0])  # LayerNorm of position 0, 0 elsewhere
+        attn.k_proj.weight.copy_(torch.eye(32))
+        attn.k_proj.bias.zero_()
+        attn.q_proj.weight.zero_()
+        attn.q_proj.bias.copy_(20 * normed)  # scores 20 |k_0|^2 / 4 ~ 80 against 0 on every other key
+
+
+def test_a_head_that_attends_only_to_token_zero_reads_mass_one_and_a_sink_takes_it():
+    """Through the model: mass 1 (to exp(-80)), and a learned sink whose logit dwarfs the scores takes it all."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1))
+    attend_to_first_token(model)
+    mass = stream_statistics(model, tokens())["attn_first_token_mass"]
+    assert mass == [pytest.approx(1.0, abs=1e-6)]
+    torch.manual_seed(0)
+    sunk = GPT(tiny(n_layer=1, overrides={"attn_sink": True}))
+    attend_to_first_token(sunk)
+    with torch.no_grad():
+        sunk.blocks[0].attn.sublayer.attend.sink.logit.fill_(200.0)
+    assert stream_statistics(sunk, tokens())["attn_first_token_mass"] == [pytest.approx(0.0, abs=1e-6)]
+
+
+def test_stream_peak_and_kurtosis_of_constructed_streams():
+    """Known answers: ones with one entry 1000 have max/median 1000; a Gaussian stream's excess kurtosis is 0 (the
+    estimator's bias over d = 4096 channels is -6/(d+1) = -0.0015 and its spread over 256 vectors sqrt(24/(d n)) =
+    0.005, so 0.03 is six spreads); one spike among d channels has the Bernoulli(1/d) value (d^2 - 6d + 6)/(d - 1)."""
+    stream = torch.ones(2, 8, 32)
+    stream[1, 3, 7] = -1000.0
+    assert max_over_median(stream).item() == 1000.0
+    gaussian = torch.randn(256, 4096, generator=torch.Generator().manual_seed(0))
+    assert abs(excess_kurtosis(gaussian).item()) < 0.03
+    spikes = torch.zeros(4, 5, 32)
+    spikes[..., 3] = 7.0
+    assert excess_kurtosis(spikes).item() == pytest.approx((32**2 - 6 * 32 + 6) / 31, rel=1e-5)  # float32
+
+
+@pytest.mark.parametrize("scheme", ["pre", "geonorm", "ngpt"])
+def test_stream_statistics_measure_each_blocks_stream_and_leave_the_model_as_it_was(scheme):
+    """Per block, as the definitions above compute them on each block's output (GeoNorm's and nGPT's stream too)
+    and on each attention's weights by hand (float64 softmax of the model's q, k); the model keeps its training mode,
+    its outputs and no hook."""
+    torch.manual_seed(0)
+    model, idx = GPT(tiny(norm_scheme=scheme)), tokens()
+    before = model(idx, idx)[0]
+    with torch.no_grad():
+        stream = residual_stream(model, idx)
+    attns = [b.attn.sublayer for b in model.blocks]
+    model.eval()
+    inputs = []
+    hooks = [a.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for a in attns]
+    with torch.no_grad():
+        model(idx)
+    for hook in hooks:
+        hook.remove()
+    model.train()
+    masses = []
+    with torch.no_grad():
+        for attn, x in zip(attns, inputs, strict=True):
+            q, k, _ = attn.heads(x)
+            scores = (q.double() @ k.double().transpose(-1, -2)) * attn.scale
+            weights = torch.softmax(scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf), -1)
+            masses.append(weights[..., 1:, 0].mean().item())
+    found = stream_statistics(model, idx)
+    assert found["attn_first_token_mass"] == pytest.approx(masses, rel=1e-5)  # float32 scores against float64
+    assert found["stream_max_over_median"] == [max_over_median(x).item() for x in stream[1:]]
+    assert found["stream_excess_kurtosis"] == [excess_kurtosis(x).item() for x in stream[1:]]
+    assert model.training and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert torch.equal(model(idx, idx)[0], before)
 
 
 # ----------------------------------------------------------------------------- Lipschitz block

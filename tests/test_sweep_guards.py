@@ -410,13 +410,13 @@ def test_repeated_stop_signals_to_the_sweep_leave_no_run_behind(tmp_path, signum
 # ----------------------------------------------------------------------------- a preparation cut short
 
 
-def fills_the_disk(path: pathlib.Path, docs, encoder, max_tokens) -> tuple[int, str]:
+def fills_the_disk(path: pathlib.Path, *args) -> tuple[int, str, int]:
     """A split writer on a disk that fills: part of the file is written, then ENOSPC (as a write reports it)."""
     path.write_bytes(b"\0" * 64)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def interrupted(path: pathlib.Path, docs, encoder, max_tokens) -> tuple[int, str]:
+def interrupted(path: pathlib.Path, *args) -> tuple[int, str, int]:
     """A split writer stopped by Ctrl-C halfway through its file."""
     path.write_bytes(b"\0" * 64)
     raise KeyboardInterrupt

@@ -693,3 +693,48 @@ def test_run_json_records_the_commit_of_the_code_that_ran(tmp_path, monkeypatch)
     recorded = json.loads((tmp_path / "run" / "run.json").read_text())["commit"]
     assert recorded == head and len(recorded.removesuffix("+dirty")) == 40
     assert sweep.code_version(str(tmp_path)) is None
+
+
+# ----------------------------------------------------------------------------- judged on bits per byte
+
+
+def bpb_sweep(root, metric: str) -> list[dict]:
+    """An lr sweep over two datasets whose tokens differ: char (1 token per byte) and BPE (1/4 token per byte), each
+    run's val_bpb = val_loss / ln 2 * tokens per byte; written as sweep.py --lr_grid --metric writes it."""
+    per_byte = {"char": 1.0, "bpe": 0.25}
+    held = {"char": [1.60, 1.61, 1.59, 1.62, 1.58, 1.60], "bpe": [5.00, 5.02, 4.98, 5.01, 4.99, 5.00]}
+    rows = [{"dataset": name, "learning_rate": lr, "seed": seed, "val_loss": x, "val_bpb": x / math.log(2) * ratio,
+             "out_dir": f"dataset={name},learning_rate={lr},seed={seed}", "wall_s": 1.0, "diverged_at": None,
+             "exit_code": 0}
+            for name, ratio in per_byte.items() for lr, xs in curve("1e-3", held[name]).items()
+            for seed, x in enumerate(xs)]
+    choice = [{"dataset": name, **sweep.pick_best([r for r in rows if r["dataset"] == name and r["seed"] == 0],
+                                                  "learning_rate", RATES, metric)} for name in per_byte]
+    table = sweep.lr_table(rows, choice, ["dataset"], "learning_rate", {"dataset": "char"}, LOWER, [0], metric)
+    sweep.write_lr_summary(str(root), rows, table, ["dataset"], "learning_rate", [], "synthetic",
+                           {"select_seeds": [0], "setup": SETUP, "settings": {}, "swept": ["dataset", "learning_rate"],
+                            "metric": metric})
+    return table
+
+
+def test_metric_val_bpb_judges_each_arm_on_bits_per_byte(tmp_path, capsys):
+    """In nats per token the char model is lower (1.60 against 5.00), in bits per byte the BPE model is (1.80 against
+    2.31): --metric val_bpb takes the held-out means and the verdict from val_bpb, says so in the table's header and
+    summary.json, and a leaderboard will not mix it with a sweep judged on val_loss."""
+    [_, by_bpb] = bpb_sweep(tmp_path / "bpb", "val_bpb")
+    assert by_bpb["val_loss_mean"] == pytest.approx(statistics.fmean([5.02, 4.98, 5.01, 4.99, 5.0]) / math.log(2) / 4)
+    assert by_bpb["verdict"].startswith("reproduced")
+    assert "final val bpb (mean ± std)" in (tmp_path / "bpb" / "summary.md").read_text()
+    assert json.loads((tmp_path / "bpb" / "summary.json").read_text())["metric"] == "val_bpb"
+    [_, by_loss] = bpb_sweep(tmp_path / "loss", "val_loss")
+    assert by_loss["verdict"].startswith("contradicted")
+    board = sweep.leaderboard([str(tmp_path / "bpb")], {"dataset": "char"}, LOWER)
+    assert [row["label"] for row in board] == ["dataset=bpe", "dataset=char"]  # sorted by mean bpb
+    assert sweep.main(["--leaderboard", str(tmp_path / "bpb"), str(tmp_path / "loss")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "val_bpb" in err and "val_loss" in err
+    ax = plot.draw_lr_sensitivity([str(tmp_path / "bpb")]).axes[0]  # the figure draws bpb, and says so
+    assert ax.get_ylabel() == "final val bpb (first seed)"
+    assert max(y for line in ax.get_lines() for y in line.get_ydata()) < 3  # bpb (2.6 at most), not nats (5.2)
+    with pytest.raises(plot.PlotError, match="different metrics"):
+        plot.draw_lr_sensitivity([str(tmp_path / "bpb"), str(tmp_path / "loss")])

@@ -232,6 +232,10 @@ def test_diagnostics_log_per_block_gradient_norms_and_at_the_end_each_blocks_ski
             mine = [v for k, v in r["grad_norms"].items() if k.startswith(f"blocks.{i}.")]
             assert norm == pytest.approx(math.sqrt(sum(v * v for v in mine)), rel=1e-12)
     assert "block_skip_loss" not in evals[0] and len(evals[-1]["block_skip_loss"]) == 2
+    for r in evals:  # the forward diagnostics, one value per block, on every eval line (values: tests/test_model.py)
+        for key in ("attn_first_token_mass", "stream_max_over_median", "stream_excess_kurtosis"):
+            assert len(r[key]) == 2 and all(math.isfinite(x) for x in r[key]), key
+        assert all(0 < x < 1 for x in r["attn_first_token_mass"]) and all(x > 1 for x in r["stream_max_over_median"])
     model = run_files.load_checkpoint(os.path.join(out, "ckpt.pt"), "cpu")
     cfg, model_args = train.load_config(tiny_run_args(data_dir, out, max_iters=4))
     task = lm_task.make_task(cfg, model_args, "cpu", True)
@@ -245,3 +249,47 @@ def test_diagnostics_log_per_block_gradient_norms_and_at_the_end_each_blocks_ski
         torch.testing.assert_close(train.split_loss(gpt, task, "val", train.Dist(), contextlib.nullcontext()) - base,
                                    increase, rtol=0, atol=1e-6)  # float32 rounding of two means
         gpt.blocks = kept
+
+
+def test_every_eval_line_carries_val_bpb_in_bits_per_byte_of_the_val_split(bpe_data_dir, tmp_path):
+    """val_bpb = val_loss / ln 2 * the val split's tokens per byte: on ASCII text with the char tokenizer each token
+    is one byte, so val_bpb = val_loss / ln 2 exactly (times 1.0); GPT-2 BPE has fewer tokens than bytes."""
+    import prepare_data
+
+    letters = "abcdefgh ijkl\n"
+    rng = torch.Generator().manual_seed(0)
+    text = {s: "".join(letters[i] for i in torch.randint(0, len(letters), (n,), generator=rng).tolist())
+            for s, n in (("train", 3000), ("val", 600))}
+    data = tmp_path / "data"
+    meta = prepare_data.write_dataset(data / "ascii_char", {s: [t] for s, t in text.items()},
+                                      prepare_data.get_tokenizer("char", sorted(set(letters))), "ascii")
+    assert meta["val_bytes"] == meta["val_tokens"]  # ASCII: a character is a byte
+    ascii_run = str(tmp_path / "ascii")
+    assert train.train(tiny_run_args(str(data), ascii_run, dataset="ascii_char", max_iters=4, eval_interval=2)) == 0
+    evals = [r for r in read_metrics(ascii_run) if r["kind"] == "eval"]
+    assert len(evals) == 3 and all(r["val_bpb"] == r["val_loss"] / math.log(2) for r in evals)
+
+    bpe_run = str(tmp_path / "bpe")
+    assert train.train(tiny_run_args(bpe_data_dir, bpe_run, dataset="plays", max_iters=2, eval_interval=2)) == 0
+    bpe = prepare_data.load_meta(os.path.join(bpe_data_dir, "plays"))
+    per_byte = bpe["val_tokens"] / bpe["val_bytes"]
+    assert 0.1 < per_byte < 0.5  # GPT-2 BPE on English: about four bytes a token
+    for r in (r for r in read_metrics(bpe_run) if r["kind"] == "eval"):
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2) * per_byte, rel=1e-12)  # float64 rounding
+
+
+def test_data_prepared_before_meta_recorded_bytes_counts_them_from_its_tokens(bpe_data_dir, tmp_path):
+    """An older meta.json without <split>_bytes: the same tokens per byte, counted from the tokens, and meta.json
+    is not rewritten."""
+    import shutil
+
+    old = tmp_path / "plays"
+    shutil.copytree(os.path.join(bpe_data_dir, "plays"), old)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if not k.endswith("_bytes")}))
+    before = (old / "meta.json").read_bytes()
+    settings = train.load_config(tiny_run_args(str(tmp_path), "x", dataset="plays"))[0]
+    recorded = lm_task.TextData(train.load_config(tiny_run_args(bpe_data_dir, "x", dataset="plays"))[0], 32, "cpu",
+                                True).tokens_per_byte
+    assert lm_task.TextData(settings, 32, "cpu", True).tokens_per_byte == recorded
+    assert (old / "meta.json").read_bytes() == before
