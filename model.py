@@ -925,7 +925,7 @@ class ResidualUpdate(nn.Module):
         y = self.sublayer(h, ctx) if self.takes_ctx else self.sublayer(h)
         if self.branch_scale != 1.0:
             y = self.branch_scale * y
-        return self.mid_norm(self.dropout(y))
+        return self.dropout(self.mid_norm(y))  # after the mid-norm, as OLMo-core's Peri-LN block: dropped is 0
 
     def forward(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         if self.hyper is not None:  # x: the streams (B, T, n, d)

@@ -225,3 +225,22 @@ def test_new_scheme_columns_reject_bad_values():
             GPTConfig(overrides={key: value})
     with pytest.raises(ValueError, match="unknown scheme column"):
         GPTConfig(overrides={"mixln_fraction": 0.5})
+
+
+@pytest.mark.parametrize("scheme", ["sandwich", "peri"])
+def test_dropout_acts_after_the_mid_norm_so_a_dropped_entry_adds_nothing(scheme):
+    """OLMo-core's Peri-LN block: x + dropout(N_mid(f(N_pre(x)))). A dropped entry of the update is exactly 0; with
+    dropout before the norm it would be the norm of a zero, -mean/sigma (LayerNorm without bias)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=2, n_embd=32, norm_scheme=scheme,
+                          dropout=0.5, bias=False))
+    update = model.blocks[0].mlp
+    x = torch.randn(2, 16, 32)
+    y = update.branch(x)
+    dropped = y == 0
+    assert 0.3 < dropped.float().mean().item() < 0.7  # about half, each entry on its own
+    torch.manual_seed(1)
+    kept = update.branch(x)
+    with torch.no_grad():
+        normed = update.mid_norm(update.sublayer(update.pre_norm(x)))
+    torch.testing.assert_close(kept[kept != 0], 2 * normed[kept != 0], rtol=1e-6, atol=1e-6)  # the kept, times 1/(1-p)
