@@ -23,7 +23,14 @@ Exit code 4: stopped by SIGTERM or SIGINT (StopSignals), the last completed iter
 agree at the next log line (in the all-reduce they do there anyway). The last checkpoint is kept instead
 when that state may be poisoned (batches skipped as non-finite since the last evaluation); a stop during
 the setup ends the run before its first iteration, with nothing written. A second SIGINT stops at once:
-exit code 130.
+exit code 130; during a checkpoint save it waits for the save to complete (a save is never cut half-way), and
+during the stop's own save the run ends with exit code 4 as planned.
+
+Exit code 5: out_dir was deleted or replaced while the run wrote it (run_files.check_out_dir_is_ours); it stops
+at its next write, writing nothing more. Exit code 6: a run's file could not be written (a full disk:
+run_files.RunFileUnwritable); one line names it, the checkpoint kept and how to go on. A setting that makes the
+model non-finite at initialization (before any step) exits 2 naming the float settings, not 3: it is not a
+divergence. A closed stdout (`train.py | head`) stops the printing, not the run (output_survives_its_reader).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import TypeVar
 
@@ -47,11 +54,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, GPTConfig
 from nanonorm.diagnostics import block_activation_rms
-from nanonorm.run_files import MetricsLog, OutDirLock, save_stop_checkpoint
+from nanonorm.run_files import MetricsLog, OutDirLock, OutDirReplaced, RunFileUnwritable, save_stop_checkpoint
 from nanonorm.train_config import ConfigError, TrainConfig, resolve_device
 
 T = TypeVar("T")
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED, EXIT_OUT_DIR_GONE, EXIT_NO_SPACE = 2, 3, 4, 5, 6
 EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
 NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 
@@ -61,22 +68,77 @@ NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 
 def exit_code(run: Callable[[], int]) -> int:
     """run()'s exit code; for an error that ends it, one line on stderr and its exit code: ConfigError 2,
-    a second SIGINT 130, LostRanks 1. The process group, if any, is closed either way."""
+    OutDirReplaced 5, RunFileUnwritable 6, a second SIGINT 130, LostRanks 1. The process group, if any, is closed
+    either way; a closed stdout or stderr ends neither the run nor this (output_survives_its_reader)."""
+    with output_survives_its_reader():
+        try:
+            return run()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        except KeyboardInterrupt as e:  # a second SIGINT, or one before the run's handlers were installed
+            when = e.args[0] if e.args else "without a checkpoint of the current iteration"
+            print(f"interrupted by SIGINT: stopped at once, {when}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except (LostRanks, OutDirReplaced, RunFileUnwritable) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return {LostRanks: 1, OutDirReplaced: EXIT_OUT_DIR_GONE}.get(type(e), EXIT_NO_SPACE)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _ReaderGone:
+    """sys.stdout or sys.stderr, whose reader may go (`train.py | head`, a closed terminal) or whose file may not
+    take more (a full disk): the first write that fails points the stream's descriptor at /dev/null, so that nothing
+    after it fails, the interpreter's last flush included, and says so once on the other stream."""
+
+    def __init__(self, stream, other: Callable[[], object]):
+        self._stream, self._other, self.gone = stream, other, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            with self._reader_may_be_gone():
+                return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            with self._reader_may_be_gone():
+                self._stream.flush()
+
+    @contextlib.contextmanager
+    def _reader_may_be_gone(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:  # EPIPE: the reader closed its end; EIO: the terminal has gone; ENOSPC: a full disk
+            self.gone = True
+            with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor (a test's capture)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            name = getattr(self._stream, "name", "output")
+            print(f"cannot write to {name} any more ({e.strerror or e}): the run goes on without printing there; "
+                  "metrics.jsonl has its log", file=self._other())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def output_survives_its_reader() -> Iterator[None]:
+    """A reader that closes stdout or stderr early stops the printing there, not the run: it trains on, saves and
+    logs as usual, without a BrokenPipeError traceback (sweep.py and sample.py, which only print, end instead)."""
+    stdout, stderr = sys.stdout, sys.stderr
+    if stdout is not None:  # None: started with the descriptor closed (`>&-`), where print writes nothing
+        sys.stdout = _ReaderGone(stdout, lambda: sys.stderr)
+    if stderr is not None:
+        sys.stderr = _ReaderGone(stderr, lambda: sys.stdout)
     try:
-        return run()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:  # a second SIGINT, or one before the run's handlers were installed
-        print("interrupted by SIGINT: stopped at once, without a checkpoint of the current iteration",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except LostRanks as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        sys.stdout, sys.stderr = stdout, stderr
 
 
 # ----------------------------------------------------------------------------- processes
@@ -144,8 +206,8 @@ def claim_out_dir(out_dir: str, ddp: Dist, device: str) -> Iterator[None]:
     try:
         yield
     finally:
-        if lock is not None:
-            if created and os.listdir(out_dir) == [os.path.basename(lock.path)]:  # a run that wrote nothing
+        if lock is not None:  # a run that wrote nothing leaves no folder it created (none that replaced it)
+            if created and lock.is_current() and os.listdir(out_dir) == [os.path.basename(lock.path)]:
                 os.remove(lock.path)
                 with contextlib.suppress(OSError):
                     os.rmdir(out_dir)
@@ -202,6 +264,8 @@ class StopSignals:
 
     def __init__(self):
         self.received: str | None = None
+        self.saving = False  # a checkpoint is being written: a second SIGINT waits for it
+        self.deferred = False  # a second SIGINT came during a save
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignals:
@@ -215,8 +279,22 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
+            if self.saving:  # a KeyboardInterrupt inside torch.save would leave neither file complete
+                self.deferred = True
+                return
             raise KeyboardInterrupt
         self.received = self.received or signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def saving_first(self) -> Iterator[None]:
+        """A second SIGINT during the block (a checkpoint save) stops the run once the block has completed."""
+        outer, self.saving = self.saving, True
+        try:
+            yield
+        finally:
+            self.saving = outer
+        if self.deferred and not outer:
+            raise KeyboardInterrupt("after completing the checkpoint save that was in progress")
 
 
 def stopped_during_setup(stop: StopSignals, ddp: Dist, device: str) -> bool:
@@ -233,7 +311,9 @@ def stopped_during_setup(stop: StopSignals, ddp: Dist, device: str) -> bool:
 def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
                          cfg: TrainConfig, unsaved: str | None = None) -> int:
     """Save the last completed iteration (state; None, and `unsaved` saying why, when it must not be saved) and
-    log the stop. Every rank calls this at the same iteration; rank 0 writes."""
+    log the stop. Every rank calls this at the same iteration; rank 0 writes. The run is ending: a second SIGINT
+    from here on is let through neither into the save nor past it (the exit code says the iteration was saved)."""
+    stop.saving = True
     if ddp.master:
         if state is not None:
             path = save_stop_checkpoint(cfg.out_dir, state, keep_best=not cfg.always_save_checkpoint)
@@ -305,9 +385,11 @@ def diverged_at_eval(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, s
 
 
 def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
-                      inputs: torch.Tensor) -> int:
+                      inputs: torch.Tensor, at_init: bool = False) -> int:
     """Say where the run blew up: the non-finite parameters, or, while they are all still finite, the
-    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports."""
+    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports. A model that was
+    not finite before any step (an evaluation at iteration 0, or `at_init`: the loss of the first step) did not
+    diverge: its settings cannot train, a ConfigError (exit 2) that names its float settings."""
     if ddp.master:
         bad = nonfinite_state(model, optimizer)
         if bad:  # one non-finite loss reaches every weight through the backward and the step
@@ -317,6 +399,9 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
             rms = block_activation_rms(model, inputs)  # in eval mode
             block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
             where = f"; activations first non-finite after block {block}" if block is not None else ""
+    if at_init or iteration == 0:
+        raise not_finite_at_init(model.config, f"{reason}{where}" if ddp.master else "see rank 0's message")
+    if ddp.master:
         kept = ("the last checkpoint, written from finite state, is kept" if os.path.exists(log.checkpoint_path)
                 else "no checkpoint had been written")
         print(f"diverged at iter {iteration}: {reason}{where}. Stopped; {kept}", file=sys.stderr)
@@ -325,6 +410,30 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
     if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
         dist.barrier()
     return EXIT_DIVERGED
+
+
+def not_finite_at_init(config: GPTConfig, what: str) -> ConfigError:
+    """The error for a model whose loss is not finite before any training step: the settings, not a divergence
+    (which a sweep counts as a result); it names the float settings that differ from their defaults."""
+    defaults = {f.name: f.default for f in fields(GPTConfig)}
+    chosen = {**{k: getattr(config, k) for k in defaults if getattr(config, k) != defaults[k]}, **config.overrides}
+    scales = [f"{k}={v!r}" for k, v in chosen.items() if isinstance(v, (float, tuple)) and not isinstance(v, bool)]
+    suspects = f"the float settings {', '.join(scales)}" if scales else "the model's settings"
+    return ConfigError(f"the model is not finite at initialization, before any training step ({what}), so it "
+                       f"cannot train: that is not a divergence but the settings; check {suspects}")
+
+
+def optimizer_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """scaler.step(optimizer); False if the update's step size is more than float32 holds (a learning rate that
+    float32 holds, divided by Adam's bias correction or times Muon's scale): an update that large is infinite,
+    a divergence caused by the rate, which the caller reports."""
+    try:
+        scaler.step(optimizer)
+    except RuntimeError as e:  # c10's words for a Python number that does not fit the tensor's dtype
+        if "without overflow" not in str(e):
+            raise
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- memory
