@@ -18,7 +18,7 @@ up to N times before the run counts as diverged; non-finite parameters still sto
 a non-finite eval loss at the end of the run or after an interval in which every step was skipped
 (eval_divergence). No checkpoint is written from a state whose eval loss is not finite.
 
-Exit code 4: stopped by SIGTERM or SIGINT (StopSignals), the last completed iteration saved and
+Exit code 4: stopped by SIGTERM, SIGINT or SIGHUP (StopSignals), the last completed iteration saved and
 {"kind": "status", "status": "stopped", ...} logged; one process checks after every iteration, several
 agree at the next log line (in the all-reduce they do there anyway). The last checkpoint is kept instead
 when that state may be poisoned (batches skipped as non-finite since the last evaluation); a stop during
@@ -257,10 +257,14 @@ def lost_ranks_named(cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> Iterator
 # ----------------------------------------------------------------------------- stop signals
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignals:
-    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun) and SIGINT ask
-    the loop to stop after the current iteration with a checkpoint of it; a second SIGINT stops at once
-    (KeyboardInterrupt). The previous handlers come back when the run ends."""
+    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun), SIGINT and SIGHUP (a
+    closed terminal, to its whole process group) ask the loop to stop after the current iteration with a checkpoint
+    of it; a second SIGINT stops at once (KeyboardInterrupt). A signal the process was started ignoring (nohup, a
+    background job of a script) stays ignored. The previous handlers come back when the run ends."""
 
     def __init__(self):
         self.received: str | None = None
@@ -270,7 +274,8 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # Python handles signals only there
-            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                              if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:

@@ -232,6 +232,38 @@ def test_two_sigints_during_an_evaluation_save_let_it_finish_then_stop_at_once(m
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal_closed", "nohup"])
+def test_sighup_stops_with_a_save_unless_the_run_was_started_ignoring_it(monkeypatch, capsys, data_dir, tmp_path,
+                                                                         ignored):
+    """A closed terminal sends SIGHUP to its process group (a sweep's runs included): the run stops after the
+    iteration with a save (exit 4), as on SIGTERM, instead of dying unsaved. Under nohup (SIGHUP ignored from the
+    start) it stays ignored and the run trains to its end. (Before the run, a SIGHUP that reaches this test's own
+    handler fails the test rather than ending the test process.)"""
+    def reached_the_default(signum, frame):
+        raise AssertionError("SIGHUP was not handled by the run")
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN if ignored else reached_the_default)
+    try:
+        forward_backward = train.forward_backward
+
+        def hangup(model, task, ddp, accum, it, *args):
+            if it == 5:
+                os.kill(os.getpid(), signal.SIGHUP)
+            return forward_backward(model, task, ddp, accum, it, *args)
+
+        monkeypatch.setattr(train, "forward_backward", hangup)
+        code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(tmp_path / "run"), **STOP_SETTINGS))
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    last = records(tmp_path / "run")[-1]
+    if ignored:
+        assert code == 0 and last["iter"] == STOP_SETTINGS["max_iters"] and last["kind"] == "eval", err
+    else:
+        assert code == 4 and last == {"kind": "status", "status": "stopped", "iter": 6, "signal": "SIGHUP",
+                                      "saved": True}, err
+        assert verified(tmp_path / "run" / "ckpt.pt")["iter_num"] == 6
+
+
 # ----------------------------------------------------------------------------- a closed stdout
 
 
