@@ -238,7 +238,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             bad_iter, stop_now = guards.check_in(s.first_bad, stop, ddp)  # the same on every rank: all stop together
             if bad_iter is not None:
                 return report_divergence(log, ddp, bad_iter + 1, "non-finite training loss", model, optimizer,
-                                         lm_task.model_inputs(task.train_batch(bad_iter, 0)), at_init=bad_iter == 0)
+                                         lm_task.model_inputs(task.train_batch(bad_iter, 0)))
         if log_now:
             log_progress(s, loss_sum)
         if stop_now:  # after the iteration's train line, so the log has every completed iteration

@@ -28,9 +28,9 @@ during the stop's own save the run ends with exit code 4 as planned.
 
 Exit code 5: out_dir was deleted or replaced while the run wrote it (run_files.check_out_dir_is_ours); it stops
 at its next write, writing nothing more. Exit code 6: a run's file could not be written (a full disk:
-run_files.RunFileUnwritable); one line names it, the checkpoint kept and how to go on. A setting that makes the
-model non-finite at initialization (before any step) exits 2 naming the float settings, not 3: it is not a
-divergence. A closed stdout (`train.py | head`) stops the printing, not the run (output_survives_its_reader).
+run_files.RunFileUnwritable); one line names it, the checkpoint kept and how to go on. An update whose step size
+float32 cannot hold (optimizer_step) is a divergence, exit 3. A closed stdout (`train.py | head`) stops the
+printing, not the run (output_survives_its_reader).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
@@ -390,11 +390,9 @@ def diverged_at_eval(cfg: TrainConfig, finite: bool, at_end: bool, steps: int, s
 
 
 def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, model: GPT, optimizer,
-                      inputs: torch.Tensor, at_init: bool = False) -> int:
+                      inputs: torch.Tensor) -> int:
     """Say where the run blew up: the non-finite parameters, or, while they are all still finite, the
-    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports. A model that was
-    not finite before any step (an evaluation at iteration 0, or `at_init`: the loss of the first step) did not
-    diverge: its settings cannot train, a ConfigError (exit 2) that names its float settings."""
+    first block whose output is non-finite on `inputs`. Every rank calls this, rank 0 reports."""
     if ddp.master:
         bad = nonfinite_state(model, optimizer)
         if bad:  # one non-finite loss reaches every weight through the backward and the step
@@ -404,9 +402,6 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
             rms = block_activation_rms(model, inputs)  # in eval mode
             block = next((i for i, r in enumerate(rms) if not math.isfinite(r)), None)
             where = f"; activations first non-finite after block {block}" if block is not None else ""
-    if at_init or iteration == 0:
-        raise not_finite_at_init(model.config, f"{reason}{where}" if ddp.master else "see rank 0's message")
-    if ddp.master:
         kept = ("the last checkpoint, written from finite state, is kept" if os.path.exists(log.checkpoint_path)
                 else "no checkpoint had been written")
         print(f"diverged at iter {iteration}: {reason}{where}. Stopped; {kept}", file=sys.stderr)
@@ -415,17 +410,6 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
     if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
         dist.barrier()
     return EXIT_DIVERGED
-
-
-def not_finite_at_init(config: GPTConfig, what: str) -> ConfigError:
-    """The error for a model whose loss is not finite before any training step: the settings, not a divergence
-    (which a sweep counts as a result); it names the float settings that differ from their defaults."""
-    defaults = {f.name: f.default for f in fields(GPTConfig)}
-    chosen = {**{k: getattr(config, k) for k in defaults if getattr(config, k) != defaults[k]}, **config.overrides}
-    scales = [f"{k}={v!r}" for k, v in chosen.items() if isinstance(v, (float, tuple)) and not isinstance(v, bool)]
-    suspects = f"the float settings {', '.join(scales)}" if scales else "the model's settings"
-    return ConfigError(f"the model is not finite at initialization, before any training step ({what}), so it "
-                       f"cannot train: that is not a divergence but the settings; check {suspects}")
 
 
 def optimizer_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
