@@ -184,9 +184,7 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
         print(f"{gptconf.norm_scheme}{norms}: {model.get_num_params() / 1e6:.2f}M parameters, "
               f"{ddp.world_size} process(es) on {device}, {dtype}, {tokens_per_iter:,} tokens per iteration")
         if checkpoint:
-            print(resume.resume_summary(cfg, checkpoint))
-            if log.moved:
-                print(log.moved)
+            print(resume.resume_summary(cfg, checkpoint, log))
     s = LoopState(cfg, ddp, device, stop, task, model, wrapped, optimizer, scaler, autocast, accum, log,
                   tokens_per_iter, flops_per_iter, peak, iter_num,
                   best_val=checkpoint["best_val_loss"] if checkpoint else float("inf"),
@@ -219,7 +217,9 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
             s.first_bad = torch.where(loss_sum.isfinite(), s.first_bad, s.first_bad.clamp(max=s.iter_num))
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(wrapped.parameters(), cfg.grad_clip, grad_norm)
-            scaler.step(optimizer)
+            if not guards.optimizer_step(scaler, optimizer):  # a step size float32 cannot hold: an infinite update
+                return report_divergence(log, ddp, s.iter_num + 1, "the update overflowed float32", model, optimizer,
+                                         lm_task.model_inputs(task.train_batch(s.iter_num, 0)))
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             model.apply_parameter_constraints()  # nGPT's unit norms, the Lipschitz gains, QK-Clip
@@ -273,7 +273,7 @@ def evaluate_and_save(s: LoopState) -> int | None:
         improved = metrics["val_loss"] < s.best_val
         s.best_val = min(s.best_val, metrics["val_loss"])
         if (s.iter_num > s.start_iter or not s.start_evaluated) and cfg.init_from != "eval" and finite:
-            resume.save_evaluated(cfg, s.iter_num, lambda: checkpoint_state(s), cfg.always_save_checkpoint or improved)
+            resume.save_evaluated(cfg, s.iter_num, lambda: checkpoint_state(s), improved, s.stop)
         s.log.write(kind="eval", iter=s.iter_num, **metrics)  # after the save: a logged eval has its checkpoint
     s.t_last = time.perf_counter()  # evaluation time is not training time
     return None

@@ -18,12 +18,19 @@ up to N times before the run counts as diverged; non-finite parameters still sto
 a non-finite eval loss at the end of the run or after an interval in which every step was skipped
 (eval_divergence). No checkpoint is written from a state whose eval loss is not finite.
 
-Exit code 4: stopped by SIGTERM or SIGINT (StopSignals), the last completed iteration saved and
+Exit code 4: stopped by SIGTERM, SIGINT or SIGHUP (StopSignals), the last completed iteration saved and
 {"kind": "status", "status": "stopped", ...} logged; one process checks after every iteration, several
 agree at the next log line (in the all-reduce they do there anyway). The last checkpoint is kept instead
 when that state may be poisoned (batches skipped as non-finite since the last evaluation); a stop during
 the setup ends the run before its first iteration, with nothing written. A second SIGINT stops at once:
-exit code 130.
+exit code 130; during a checkpoint save it waits for the save to complete (a save is never cut half-way), and
+during the stop's own save the run ends with exit code 4 as planned.
+
+Exit code 5: out_dir was deleted or replaced while the run wrote it (run_files.check_out_dir_is_ours); it stops
+at its next write, writing nothing more. Exit code 6: a run's file could not be written (a full disk:
+run_files.RunFileUnwritable); one line names it, the checkpoint kept and how to go on. An update whose step size
+float32 cannot hold (optimizer_step) is a divergence, exit 3. A closed stdout (`train.py | head`) stops the
+printing, not the run (output_survives_its_reader).
 """
 
 from __future__ import annotations
@@ -47,11 +54,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import GPT, GPTConfig
 from nanonorm.diagnostics import block_activation_rms
-from nanonorm.run_files import MetricsLog, OutDirLock, save_stop_checkpoint
+from nanonorm.run_files import MetricsLog, OutDirLock, OutDirReplaced, RunFileUnwritable, save_stop_checkpoint
 from nanonorm.train_config import ConfigError, TrainConfig, resolve_device
 
 T = TypeVar("T")
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED = 2, 3, 4
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_STOPPED, EXIT_OUT_DIR_GONE, EXIT_NO_SPACE = 2, 3, 4, 5, 6
 EXIT_INTERRUPTED = 130  # a second SIGINT: the shell's code for "ended by SIGINT"
 NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 
@@ -61,22 +68,77 @@ NEVER = torch.iinfo(torch.int64).max  # "no non-finite loss yet"
 
 def exit_code(run: Callable[[], int]) -> int:
     """run()'s exit code; for an error that ends it, one line on stderr and its exit code: ConfigError 2,
-    a second SIGINT 130, LostRanks 1. The process group, if any, is closed either way."""
+    OutDirReplaced 5, RunFileUnwritable 6, a second SIGINT 130, LostRanks 1. The process group, if any, is closed
+    either way; a closed stdout or stderr ends neither the run nor this (output_survives_its_reader)."""
+    with output_survives_its_reader():
+        try:
+            return run()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        except KeyboardInterrupt as e:  # a second SIGINT, or one before the run's handlers were installed
+            when = e.args[0] if e.args else "without a checkpoint of the current iteration"
+            print(f"interrupted by SIGINT: stopped at once, {when}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except (LostRanks, OutDirReplaced, RunFileUnwritable) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return {LostRanks: 1, OutDirReplaced: EXIT_OUT_DIR_GONE}.get(type(e), EXIT_NO_SPACE)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _ReaderGone:
+    """sys.stdout or sys.stderr, whose reader may go (`train.py | head`, a closed terminal) or whose file may not
+    take more (a full disk): the first write that fails points the stream's descriptor at /dev/null, so that nothing
+    after it fails, the interpreter's last flush included, and says so once on the other stream."""
+
+    def __init__(self, stream, other: Callable[[], object]):
+        self._stream, self._other, self.gone = stream, other, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            with self._reader_may_be_gone():
+                return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            with self._reader_may_be_gone():
+                self._stream.flush()
+
+    @contextlib.contextmanager
+    def _reader_may_be_gone(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:  # EPIPE: the reader closed its end; EIO: the terminal has gone; ENOSPC: a full disk
+            self.gone = True
+            with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor (a test's capture)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            name = getattr(self._stream, "name", "output")
+            print(f"cannot write to {name} any more ({e.strerror or e}): the run goes on without printing there; "
+                  "metrics.jsonl has its log", file=self._other())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def output_survives_its_reader() -> Iterator[None]:
+    """A reader that closes stdout or stderr early stops the printing there, not the run: it trains on, saves and
+    logs as usual, without a BrokenPipeError traceback (sweep.py and sample.py, which only print, end instead)."""
+    stdout, stderr = sys.stdout, sys.stderr
+    if stdout is not None:  # None: started with the descriptor closed (`>&-`), where print writes nothing
+        sys.stdout = _ReaderGone(stdout, lambda: sys.stderr)
+    if stderr is not None:
+        sys.stderr = _ReaderGone(stderr, lambda: sys.stdout)
     try:
-        return run()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:  # a second SIGINT, or one before the run's handlers were installed
-        print("interrupted by SIGINT: stopped at once, without a checkpoint of the current iteration",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except LostRanks as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        sys.stdout, sys.stderr = stdout, stderr
 
 
 # ----------------------------------------------------------------------------- processes
@@ -144,8 +206,8 @@ def claim_out_dir(out_dir: str, ddp: Dist, device: str) -> Iterator[None]:
     try:
         yield
     finally:
-        if lock is not None:
-            if created and os.listdir(out_dir) == [os.path.basename(lock.path)]:  # a run that wrote nothing
+        if lock is not None:  # a run that wrote nothing leaves no folder it created (none that replaced it)
+            if created and lock.is_current() and os.listdir(out_dir) == [os.path.basename(lock.path)]:
                 os.remove(lock.path)
                 with contextlib.suppress(OSError):
                     os.rmdir(out_dir)
@@ -195,18 +257,25 @@ def lost_ranks_named(cfg: TrainConfig, ddp: Dist, stop: StopSignals) -> Iterator
 # ----------------------------------------------------------------------------- stop signals
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignals:
-    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun) and SIGINT ask
-    the loop to stop after the current iteration with a checkpoint of it; a second SIGINT stops at once
-    (KeyboardInterrupt). The previous handlers come back when the run ends."""
+    """SIGTERM (sent before preemption by SLURM and Kubernetes, and forwarded by torchrun), SIGINT and SIGHUP (a
+    closed terminal, to its whole process group) ask the loop to stop after the current iteration with a checkpoint
+    of it; a second SIGINT stops at once (KeyboardInterrupt). A signal the process was started ignoring (nohup, a
+    background job of a script) stays ignored. The previous handlers come back when the run ends."""
 
     def __init__(self):
         self.received: str | None = None
+        self.saving = False  # a checkpoint is being written: a second SIGINT waits for it
+        self.deferred = False  # a second SIGINT came during a save
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # Python handles signals only there
-            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                              if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -215,8 +284,22 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
+            if self.saving:  # a KeyboardInterrupt inside torch.save would leave neither file complete
+                self.deferred = True
+                return
             raise KeyboardInterrupt
         self.received = self.received or signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def saving_first(self) -> Iterator[None]:
+        """A second SIGINT during the block (a checkpoint save) stops the run once the block has completed."""
+        outer, self.saving = self.saving, True
+        try:
+            yield
+        finally:
+            self.saving = outer
+        if self.deferred and not outer:
+            raise KeyboardInterrupt("after completing the checkpoint save that was in progress")
 
 
 def stopped_during_setup(stop: StopSignals, ddp: Dist, device: str) -> bool:
@@ -233,7 +316,9 @@ def stopped_during_setup(stop: StopSignals, ddp: Dist, device: str) -> bool:
 def stop_with_checkpoint(log: MetricsLog, ddp: Dist, stop: StopSignals, iteration: int, state: dict | None,
                          cfg: TrainConfig, unsaved: str | None = None) -> int:
     """Save the last completed iteration (state; None, and `unsaved` saying why, when it must not be saved) and
-    log the stop. Every rank calls this at the same iteration; rank 0 writes."""
+    log the stop. Every rank calls this at the same iteration; rank 0 writes. The run is ending: a second SIGINT
+    from here on is let through neither into the save nor past it (the exit code says the iteration was saved)."""
+    stop.saving = True
     if ddp.master:
         if state is not None:
             path = save_stop_checkpoint(cfg.out_dir, state, keep_best=not cfg.always_save_checkpoint)
@@ -325,6 +410,19 @@ def report_divergence(log: MetricsLog, ddp: Dist, iteration: int, reason: str, m
     if ddp.world_size > 1:  # torchrun stops every rank once one exits: let rank 0 write first
         dist.barrier()
     return EXIT_DIVERGED
+
+
+def optimizer_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """scaler.step(optimizer); False if the update's step size is more than float32 holds (a learning rate that
+    float32 holds, divided by Adam's bias correction or times Muon's scale): an update that large is infinite,
+    a divergence caused by the rate, which the caller reports."""
+    try:
+        scaler.step(optimizer)
+    except RuntimeError as e:  # c10's words for a Python number that does not fit the tensor's dtype
+        if "without overflow" not in str(e):
+            raise
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- memory

@@ -24,18 +24,22 @@ from dataclasses import replace
 import torch
 
 from model import GPTConfig
-from nanonorm.guards import Dist, agreed
+from nanonorm.guards import Dist, StopSignals, agreed
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
     LAST_CHECKPOINT_NAME,
     METRICS_NAME,
+    NO_SPACE,
     MetricsLog,
     foreign_checkpoint,
+    foreign_files,
     load_checkpoint,
+    move_dropped_checkpoints,
     previous_run_files,
     remove_previous_run,
     save_checkpoint,
     save_latest_checkpoint,
+    unwritable,
 )
 from nanonorm.train_config import TRAIN_KEYS, ConfigError, TrainConfig
 
@@ -70,16 +74,18 @@ def starting_point(cfg: TrainConfig, device: str) -> dict | None:
             # the best evaluation's ckpt.pt is still there to go back to
             raise ConfigError(f"{e}; or delete {path} and its .sha256 to resume from {CHECKPOINT_NAME}, the best "
                               "evaluation's checkpoint") from None
-    found = previous_run_files(cfg.out_dir)
-    earlier = [name for name in found if name.endswith(".pt") or name == METRICS_NAME]
+    earlier = previous_run_files(cfg.out_dir)  # exactly what --overwrite deletes: each is named first
     if earlier and not cfg.overwrite:
         raise ConfigError(f"an earlier run already exists in {cfg.out_dir} ({', '.join(earlier)}); continue "
                           "it with --init_from=resume, choose another --out_dir, or pass --overwrite=True to delete "
-                          "its checkpoints and metrics and start anew")
-    folders = [name for name in found if os.path.isdir(os.path.join(cfg.out_dir, name))]
+                          "those files and start anew")
+    folders, foreign = foreign_files(cfg.out_dir, earlier)
     if folders:  # a new run deletes the earlier run's files, not folders: refuse now, not after the setup
         raise ConfigError(f"{', '.join(folders)} in {cfg.out_dir} is a folder, not a run's file, and a new run "
                           "deletes files only; move it away or choose another --out_dir")
+    if foreign:  # nor anything a run did not put among the checkpoints a resume moved aside
+        raise ConfigError(f"{', '.join(foreign)} in {cfg.out_dir} is not a checkpoint that a resume moved aside, and "
+                          "a new run deletes only a run's files; move it away or choose another --out_dir")
     return None
 
 
@@ -230,35 +236,61 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: dict, cfg
         group.update(fresh)  # the config's hyperparameters win over the checkpoint's
 
 
-def resume_summary(cfg: TrainConfig, checkpoint: dict) -> str:
-    """The line a resumed or eval-only run starts with: where it starts and the settings it changes."""
+def resume_summary(cfg: TrainConfig, checkpoint: dict, log: MetricsLog) -> str:
+    """The lines a resumed or eval-only run starts with: where it starts and the settings it changes, then what it
+    moved aside (log.moved)."""
     changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in checkpoint["config"].items()
                if k in TRAIN_KEYS and k not in ("init_from", "overwrite") and getattr(cfg, k) != v]
     return (f"{'evaluating' if cfg.init_from == 'eval' else 'resuming'} at iter {checkpoint['iter_num']} "
             f"(saved by {checkpoint['world_size']} process(es))"
-            + (f"; changed: {', '.join(changed)}" if changed else ""))
+            + (f"; changed: {', '.join(changed)}" if changed else "") + (f"\n{log.moved}" if log.moved else ""))
 
 
 def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool) -> MetricsLog:
     """metrics.jsonl. A new run deletes the earlier run's files only now, with everything
-    ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again)."""
+    ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again) and
+    moves the kept checkpoints past it aside (set_branch_aside)."""
     if ddp.master and checkpoint is None:
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    return agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and cfg.init_from != "eval",
-                                     checkpoint["iter_num"] if checkpoint else None,
-                                     reevaluates=reevaluates,
-                                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
+    return agreed(lambda: set_branch_aside(cfg, ddp, checkpoint, MetricsLog(
+        cfg.out_dir, ddp.master and cfg.init_from != "eval", checkpoint["iter_num"] if checkpoint else None,
+        reevaluates=reevaluates, logged_lines=checkpoint.get("metrics_lines") if checkpoint else None)),
                   device, f"continue {METRICS_NAME}")
 
 
-def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state: Callable[[], dict], latest: bool) -> None:
+def set_branch_aside(cfg: TrainConfig, ddp: Dist, checkpoint: dict | None, log: MetricsLog) -> MetricsLog:
+    """A resume goes on from its checkpoint's iteration: the kept checkpoints past it are of a branch it abandons
+    (it went back: always_save_checkpoint=False after the run got worse, or a kill between a ckpt_<N>.pt and its
+    ckpt.pt). They move to a dropped_after_iter_<N> folder before this run writes any of its own, so none is
+    replaced and out_dir's are all of one branch; log.moved says so, after the log's own line."""
+    if not ddp.master or checkpoint is None or cfg.init_from != "resume":
+        return log
+    try:
+        folder = move_dropped_checkpoints(cfg.out_dir, checkpoint["iter_num"])
+    except OSError as e:
+        if e.errno in NO_SPACE:  # the checksums are copied
+            raise unwritable(os.path.join(cfg.out_dir, f"dropped_after_iter_{checkpoint['iter_num']}"), e) from None
+        raise ConfigError(f"cannot move the kept checkpoints past iter {checkpoint['iter_num']} aside in "
+                          f"{cfg.out_dir} ({e.strerror or e}); nothing of them was lost, fix the cause and resume "
+                          "again") from None
+    if folder is not None:
+        line = (f"kept checkpoints past iter {checkpoint['iter_num']} moved to {folder}: this run goes on from the "
+                f"checkpoint at iter {checkpoint['iter_num']}")
+        log.moved = f"{log.moved}\n{line}" if log.moved else line
+    return log
+
+
+def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state: Callable[[], dict], improved: bool,
+                   stop: StopSignals) -> None:
     """After a finite evaluation: ckpt_<iter>.pt every keep_every iterations (first, so that a kill between
-    the two saves loses neither), and ckpt.pt if `latest` (always_save_checkpoint, or a better val loss)."""
-    keep = cfg.keep_every and iteration % cfg.keep_every == 0
+    the two saves loses neither), and ckpt.pt if always_save_checkpoint or the val loss `improved`. A second
+    SIGINT waits for the saves to complete (stop.saving_first)."""
+    keep, latest = cfg.keep_every and iteration % cfg.keep_every == 0, cfg.always_save_checkpoint or improved
     state = checkpoint_state() if keep or latest else None
-    if keep:
-        save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iteration}.pt"), state)
-    if latest:
-        save_latest_checkpoint(cfg.out_dir, state)
+    with stop.saving_first():
+        if keep:
+            save_checkpoint(os.path.join(cfg.out_dir, f"ckpt_{iteration}.pt"), state)
+        if latest:
+            save_latest_checkpoint(cfg.out_dir, state)

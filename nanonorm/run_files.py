@@ -7,18 +7,26 @@ The files of a run in its out_dir, and the rules that keep them from lying:
     ckpt_last.pt      always_save_checkpoint=False only: a stop signal's save, kept while it is newer than ckpt.pt
     ckpt_<iter>.pt    kept checkpoints (keep_every), each with its own .sha256
     metrics.jsonl     one strict JSON object per line; a non-finite number is written as null
+    metrics.jsonl.dropped, dropped_after_iter_<N>/
+                      what a resume that went back to iteration N moved aside: later log lines, later kept checkpoints
+
+A run deletes only these names (exact names, RUN_FILE and DROPPED_FOLDER, not patterns), and a new run names all
+it would delete before it deletes any. Before every write the run checks that out_dir's .lock is still the one it
+holds (check_out_dir_is_ours): a folder deleted or replaced under it is never written into. A write that fails
+(a full disk) is RunFileUnwritable, which names the file, the checkpoint kept, and how to go on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import glob
 import hashlib
 import json
 import math
 import os
 import pickle
+import re
 import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -29,7 +37,16 @@ from nanonorm.train_config import ConfigError
 
 CHECKPOINT_FORMAT = "nanonorm-checkpoint-v1"
 LOCK_NAME, METRICS_NAME, CHECKPOINT_NAME, LAST_CHECKPOINT_NAME = ".lock", "metrics.jsonl", "ckpt.pt", "ckpt_last.pt"
-RUN_FILE_PATTERNS = ("ckpt*.pt", "ckpt*.pt.sha256", "ckpt*.tmp", "metrics.jsonl*")  # what one run writes
+# every name a run writes in out_dir (besides .lock): its checkpoints and their checksums, their temporary files
+# (save_checkpoint's <ckpt>.tmp, write_atomically's <ckpt>.sha256.<pid>.tmp), metrics.jsonl and what a resume
+# rewrites or moves aside; a resume that goes back moves later kept checkpoints to a DROPPED_FOLDER
+_ITER = r"(?:0|[1-9][0-9]*)"
+_CHECKPOINT = rf"ckpt(?:_last|_{_ITER})?\.pt"
+KEPT_CHECKPOINT = re.compile(rf"ckpt_({_ITER})\.pt")
+RUN_FILE = re.compile(rf"{_CHECKPOINT}(?:\.sha256)?|{_CHECKPOINT}\.tmp|{_CHECKPOINT}\.sha256\.[0-9]+\.tmp"
+                      r"|metrics\.jsonl(?:\.dropped|\.tmp)?")
+DROPPED_FOLDER = re.compile(rf"dropped_after_iter_{_ITER}(?:\.[1-9][0-9]*)?")
+DROPPED_FILE = re.compile(rf"ckpt_{_ITER}\.pt(?:\.sha256(?:\.[0-9]+\.tmp)?)?")  # what a DROPPED_FOLDER holds
 
 
 # ----------------------------------------------------------------------------- the out_dir lock
@@ -37,6 +54,33 @@ RUN_FILE_PATTERNS = ("ckpt*.pt", "ckpt*.pt.sha256", "ckpt*.tmp", "metrics.jsonl*
 
 class OutDirInUse(ConfigError):
     """Another process holds the out_dir's lock."""
+
+
+class OutDirReplaced(RuntimeError):
+    """The out_dir whose lock this process holds was deleted or replaced (its .lock is gone or another file):
+    writing on would put this run's files into a folder that is no longer its own, or another run's."""
+
+
+HELD_LOCKS: dict[str, tuple[int, int]] = {}  # out_dir (absolute) -> (device, inode) of the .lock this process holds
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_out_dir_is_ours(folder: str) -> None:
+    """Raise OutDirReplaced if folder's lock, held by this process, is no longer the folder's .lock. Called before
+    every write of a run: the flock stays on the deleted file's inode, so it cannot keep a new folder's runs out."""
+    folder = os.path.abspath(folder)
+    held = HELD_LOCKS.get(folder)
+    if held is not None and _identity(os.path.join(folder, LOCK_NAME)) != held:
+        raise OutDirReplaced(f"{folder} was deleted or replaced while this run was writing it (its {LOCK_NAME} is "
+                             "not the one this run holds): stopped without writing anything more there; what this run "
+                             "wrote before went with the old folder (deleted, or moved away)")
 
 
 class OutDirLock:
@@ -66,11 +110,20 @@ class OutDirLock:
                               f"{self.path}); wait for it to end, stop it, or choose another {flag}") from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"{os.getpid()}\n".encode())
+        st = os.fstat(self.fd)
+        self.folder, self.identity = os.path.abspath(out_dir), (st.st_dev, st.st_ino)
+        HELD_LOCKS[self.folder] = self.identity
+
+    def is_current(self) -> bool:
+        """Whether out_dir's .lock is still the file this lock holds (the folder was not deleted or replaced)."""
+        return _identity(self.path) == self.identity
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = None
+            if HELD_LOCKS.get(self.folder) == self.identity:
+                del HELD_LOCKS[self.folder]
 
     def __enter__(self) -> OutDirLock:
         return self
@@ -87,33 +140,132 @@ def _probe_writable(out_dir: str) -> None:
 
 
 def previous_run_files(out_dir: str) -> list[str]:
-    """The checkpoints and metrics an earlier run left in out_dir (sorted names)."""
-    folder = glob.escape(out_dir)  # an out_dir such as run[1] is a name, not a pattern
-    found = {os.path.basename(p) for pattern in RUN_FILE_PATTERNS for p in glob.glob(os.path.join(folder, pattern))}
-    return sorted(found)
+    """What an earlier run left in out_dir: the names a run writes (RUN_FILE: checkpoints, checksums, metrics,
+    temporary files) and its DROPPED_FOLDERs, sorted. A name a run never writes (metrics.jsonl.bak, a copy named
+    ckpt_best.pt) is the user's, and not listed."""
+    try:
+        names = os.listdir(out_dir)
+    except OSError:  # no folder yet
+        return []
+    return sorted(n for n in names if RUN_FILE.fullmatch(n) or DROPPED_FOLDER.fullmatch(n))
+
+
+def foreign_files(out_dir: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """Among an earlier run's names, what a new run cannot delete as a run's files: (folders named like a run's
+    file, what a DROPPED_FOLDER holds that a run does not write there, or a file in its place: paths in out_dir)."""
+    folders, foreign = [], []
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if DROPPED_FOLDER.fullmatch(name):
+            inside = os.listdir(path) if os.path.isdir(path) else [""]
+            foreign += [os.path.join(name, n) for n in inside
+                        if not DROPPED_FILE.fullmatch(n) or not os.path.isfile(os.path.join(path, n))]
+        elif os.path.isdir(path):
+            folders.append(name)
+    return folders, sorted(foreign)
 
 
 def remove_previous_run(out_dir: str) -> list[str]:
-    """Delete what an earlier run left (checkpoints, their checksums, metrics), so a new run never mixes
-    with it. Returns the names removed."""
+    """Delete what an earlier run left (previous_run_files: checkpoints, checksums, metrics, the checkpoints a resume
+    moved aside), so a new run never mixes with it. Returns the names removed."""
+    check_out_dir_is_ours(out_dir)
     names = previous_run_files(out_dir)
     for name in names:
-        os.remove(os.path.join(out_dir, name))
+        path = os.path.join(out_dir, name)
+        if DROPPED_FOLDER.fullmatch(name):  # only the files a run put there (foreign_files refused the others)
+            for inside in os.listdir(path):
+                if DROPPED_FILE.fullmatch(inside):
+                    os.remove(os.path.join(path, inside))
+            os.rmdir(path)
+        else:
+            os.remove(path)
     return names
+
+
+def move_dropped_checkpoints(out_dir: str, iteration: int) -> str | None:
+    """A resume from `iteration`: move the kept checkpoints past it (ckpt_<N>.pt, N > iteration, with their
+    checksums: the branch this resume abandons) into a new folder dropped_after_iter_<iteration> (.2, .3, ... when
+    that name is taken), so that none is replaced by, or mixed with, the branch that goes on. Returns the folder,
+    or None when there was nothing to move."""
+    later = sorted((int(m.group(1)), m.group(0)) for m in map(KEPT_CHECKPOINT.fullmatch, os.listdir(out_dir))
+                   if m and int(m.group(1)) > iteration)
+    if not later:
+        return None
+    check_out_dir_is_ours(out_dir)
+    base = os.path.join(out_dir, f"dropped_after_iter_{iteration}")
+    folder, k = base, 1
+    while os.path.lexists(folder):
+        k += 1
+        folder = f"{base}.{k}"
+    os.mkdir(folder)
+    for _, name in later:  # checksum copied, checkpoint moved, checksum removed: a kill leaves each verifiable
+        path, checksum = os.path.join(out_dir, name), checksum_path(os.path.join(out_dir, name))
+        if os.path.isfile(checksum):
+            with open(checksum, "rb") as f:
+                write_atomically(checksum_path(os.path.join(folder, name)), f.read())
+        os.replace(path, os.path.join(folder, name))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(checksum)
+    _fsync_folder(os.path.join(folder, name))  # the names that arrived in folder
+    _fsync_folder(folder)  # and those that left out_dir
+    return folder
 
 
 # ----------------------------------------------------------------------------- checkpoints and checksums
 
 
+class RunFileUnwritable(OSError):
+    """A run's file could not be written (a full disk, a quota, an I/O error): one line names it, the checkpoint
+    that is kept and how to go on; train.py exits with EXIT_NO_SPACE."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def last_checkpoint(out_dir: str) -> str | None:
+    """The checkpoint a resume would start from (resume.checkpoint_to_load), if there is one."""
+    return next((path for name in (LAST_CHECKPOINT_NAME, CHECKPOINT_NAME)
+                 if os.path.isfile(path := os.path.join(out_dir, name))), None)
+
+
+def unwritable(path: str, error: OSError) -> RunFileUnwritable:
+    """The error for a run's file that could not be written: which, why, what is kept, and how to go on."""
+    full = error.errno in NO_SPACE
+    what = f"no space left on {path}" if full else f"cannot write {path} ({error.strerror or error})"
+    fix = "free space on its disk" if full else "fix the cause"
+    kept = last_checkpoint(os.path.dirname(path) or ".")
+    go_on = (f"the last complete checkpoint, {kept}, is kept: {fix}, then continue with --init_from=resume" if kept
+             else f"no checkpoint had been written: {fix}, then start the run again with --overwrite=True")
+    found = RunFileUnwritable(f"{what}; {go_on}")
+    found.errno = error.errno
+    return found
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Any OSError while path is written, as RunFileUnwritable."""
+    try:
+        yield
+    except RunFileUnwritable:
+        raise
+    except OSError as e:
+        raise unwritable(path, e) from None
+
+
 class _HashingWriter:
-    """A file wrapper that hashes what passes through it: the checksum costs no second read."""
+    """A file wrapper that hashes what passes through it: the checksum costs no second read. A write's error is
+    kept: torch's zip writer reports it as its own ("unexpected pos ...")."""
 
     def __init__(self, f):
-        self.f, self.sha256 = f, hashlib.sha256()
+        self.f, self.sha256, self.error = f, hashlib.sha256(), None
 
     def write(self, data) -> int:
         self.sha256.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -175,11 +327,23 @@ def _write_checksums(path: str, digests: list[str]) -> None:
 def save_checkpoint(path: str, state: dict) -> None:
     """Write `state` to `path` with its SHA-256 in path.sha256, so that a crash at any moment leaves a
     checkpoint that matches its checksum (and at most a stale .tmp): the new digest joins the checksum
-    file before the rename (either file under `path` then verifies) and the old one leaves after it."""
+    file before the rename (either file under `path` then verifies) and the old one leaves after it. A write that
+    fails (a full disk) leaves the previous checkpoint and no temporary file, and is raised as RunFileUnwritable."""
+    check_out_dir_is_ours(os.path.dirname(path) or ".")
+    with _writing(path):
+        _save_verifiable(path, state)
+
+
+def _save_verifiable(path: str, state: dict) -> None:
     tmp = f"{path}.tmp"
     with _temporary_file(tmp) as f:
         writer = _HashingWriter(f)
-        torch.save(state, writer)
+        try:
+            torch.save(state, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
     digest = writer.sha256.hexdigest()
     try:
         _write_checksums(path, [digest, *recorded_checksums(path)])
@@ -194,6 +358,7 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint, then its checksum file (a kill between leaves only a stray .sha256)."""
+    check_out_dir_is_ours(os.path.dirname(path) or ".")
     for name in (path, checksum_path(path)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(name)
@@ -260,17 +425,36 @@ def _verified_read(path: str, device: str) -> tuple[str, list[str], dict | None]
 
 
 def _read_checkpoint(path: str, f, device: str) -> dict:
+    """torch.load onto `device`. An error is the file's only if the file does not read on the CPU either: a device
+    that cannot take it (out of its memory) or a machine out of memory is named as such, not as a damaged file."""
+    location = "cpu" if torch.device(device).type == "cpu" else device  # torch.load maps "cpu" only, not "cpu:0"
     try:
-        state = torch.load(f, map_location=device, weights_only=True)
+        state = torch.load(f, map_location=location, weights_only=True)
     except Exception as e:  # a truncated zip, a text file, a pickle of other objects, ...
         why = ("weights-only loading refused its contents" if isinstance(e, pickle.UnpicklingError)  # long, off-topic
                else f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+        if isinstance(e, MemoryError) or "alloc" in str(e).lower() and location == "cpu":
+            raise ConfigError(f"there is not enough memory to read checkpoint {path} ({why}); the file is not at "
+                              "fault and nothing was changed: free memory and run again") from None
+        if location != "cpu" and _reads_on_the_cpu(f):
+            raise ConfigError(f"checkpoint {path} matches its checksum and reads on the CPU, but cannot be loaded "
+                              f"onto {device} ({why}); the file is not at fault and nothing was changed: free that "
+                              "device's memory, or use another --device") from None
         raise ConfigError(f"checkpoint {path} cannot be read ({why}); it may be truncated, or not a nanoNorm "
                           "checkpoint. Nothing was changed; restore it or start a new run with another --out_dir"
                           ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path} is not a nanoNorm checkpoint (no '{CHECKPOINT_FORMAT}' marker); nothing was changed")
     return state
+
+
+def _reads_on_the_cpu(f) -> bool:
+    f.seek(0)
+    try:
+        torch.load(f, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return True
 
 
 def foreign_checkpoint(out_dir: str, error: Exception) -> ConfigError:
@@ -308,6 +492,8 @@ class MetricsLog:
         self.path, self.enabled = os.path.join(out_dir, METRICS_NAME), enabled
         self.checkpoint_path = os.path.join(out_dir, CHECKPOINT_NAME)
         self.lines, self.moved = 0, None  # moved: what a resumed run moved aside, in words
+        if enabled:
+            check_out_dir_is_ours(out_dir)
         if enabled and resume_iter and not os.path.lexists(self.path):
             raise ConfigError(f"{self.path} is missing, so the resumed run's log would start at iter {resume_iter} "
                               f"without its history; restore it, or create an empty one (touch {self.path}) to go "
@@ -345,6 +531,8 @@ class MetricsLog:
             os.replace(self.path + ".tmp", self.path)
             self.lines = len(kept)
         except OSError as e:  # a folder, or unreadable
+            if e.errno in NO_SPACE:
+                raise unwritable(self.path, e) from None
             raise ConfigError(f"cannot rewrite {self.path} for the resumed run ({e.strerror or e}); move it "
                               "aside or fix its permissions") from None
 
@@ -365,6 +553,7 @@ class MetricsLog:
         if not self.enabled:
             return
         record = strict_json(record)
-        with open(self.path, "a") as f:
+        check_out_dir_is_ours(os.path.dirname(self.path))
+        with _writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         self.lines += 1

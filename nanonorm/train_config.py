@@ -85,6 +85,12 @@ SCHEME_KEYS = set(Scheme._fields)  # a column of the scheme's row, overridden (G
 KEYS = [*TRAIN_KEYS, *MODEL_KEYS, *Scheme._fields]
 
 
+# float keys reach the model and the optimizer's update as float32 numbers (a norm's alpha, a softcap, QK-Clip's
+# threshold, a learning rate): a magnitude above its largest one is infinite there, a positive one below its smallest
+# normal one is 0 or loses its precision
+FLOAT32 = torch.finfo(torch.float32)
+
+
 class ConfigError(ValueError):
     """A config key or value the user has to fix; train.py exits with code 2."""
 
@@ -191,6 +197,11 @@ def check_value(name: str, value: object) -> object:
             value = math.inf
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config key '{name}' expects a finite number, got {value}")
+    for number in value if isinstance(value, tuple) else (value,):
+        if isinstance(number, float) and not (number == 0 or FLOAT32.tiny <= abs(number) <= FLOAT32.max):
+            raise ConfigError(f"config key '{name}' is {value!r}, outside what float32 (the number type of the model "
+                              f"and its updates) holds: give 0 or a magnitude from {FLOAT32.tiny:.1e} to "
+                              f"{FLOAT32.max:.1e}")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
         raise ConfigError(f"config key '{name}' expects a number below 2**63, got {value}")
     return value
@@ -328,9 +339,15 @@ def check_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"betas={cfg.betas!r} must be two numbers in [0, 1), such as (0.9, 0.95)")
     if cfg.momentum is not None and not 0 <= cfg.momentum < 1:
         raise ConfigError(f"momentum={cfg.momentum} must lie in [0, 1)")
-    if not cfg.dist_timeout > 0:
-        raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
+    if not 0 < cfg.dist_timeout <= MAX_TIMEOUT_S:
+        raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds, at most "
+                          f"{MAX_TIMEOUT_S:.0e} (about 31 years)")
     check_device(cfg.device)
+
+
+# the process group's timeout: a timedelta (at most 999999999 days), which torch's C++ side counts in 64-bit
+# milli- and nanoseconds (292 years of them); 1e9 s, about 31 years, stays inside all of them
+MAX_TIMEOUT_S = 1e9
 
 
 def check_device(device: str) -> None:
@@ -352,9 +369,10 @@ def check_device(device: str) -> None:
 
 
 def resolve_device(device: str) -> str:
-    """device=auto: cuda if there is one, else mps, else cpu; any other device as given."""
+    """device=auto: cuda if there is one, else mps, else cpu; cpu:0 is cpu (the name torch.load maps and the rest
+    of the run checks for); any other device as given."""
     if device != "auto":
-        return device
+        return "cpu" if torch.device(device).type == "cpu" else device
     mps = getattr(torch.backends, "mps", None)
     return "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
 
