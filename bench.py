@@ -243,7 +243,11 @@ def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_mod
     if opt_name is not None:
         optimizer = optim.build_optimizer(model, opt_name, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                                           device_type=device.split(":")[0], matrix_lr=1e-3)
-    runner = torch.compile(model, dynamic=False) if compile_model else model  # static shapes, as every case has
+    runner = model
+    if compile_model == "whole":
+        runner = torch.compile(model, dynamic=False)  # static shapes, as every case has
+    elif compile_model:  # each block once, and the head (GPT.compile_regions)
+        model.compile_regions(dynamic=False)
     return make_step(runner, optimizer, batch, autocast), model, optimizer
 
 
