@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from nanonorm.run_files import (
     LAST_CHECKPOINT_NAME,
     METRICS_NAME,
     MetricsLog,
+    WandbRun,
     foreign_checkpoint,
     load_checkpoint,
     previous_run_files,
@@ -239,18 +240,24 @@ def resume_summary(cfg: TrainConfig, checkpoint: dict) -> str:
             + (f"; changed: {', '.join(changed)}" if changed else ""))
 
 
-def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool) -> MetricsLog:
+def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool,
+             model_config: dict | None = None) -> MetricsLog:
     """metrics.jsonl. A new run deletes the earlier run's files only now, with everything
-    ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again)."""
+    ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again).
+    With wandb_project, rank 0 also logs its lines, the config (`model_config` and cfg) and the commit to wandb."""
     if ddp.master and checkpoint is None:
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    return agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and cfg.init_from != "eval",
-                                     checkpoint["iter_num"] if checkpoint else None,
-                                     reevaluates=reevaluates,
-                                     logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
-                  device, f"continue {METRICS_NAME}")
+    log = agreed(lambda: MetricsLog(cfg.out_dir, ddp.master and cfg.init_from != "eval",
+                                    checkpoint["iter_num"] if checkpoint else None,
+                                    reevaluates=reevaluates,
+                                    logged_lines=checkpoint.get("metrics_lines") if checkpoint else None),
+                 device, f"continue {METRICS_NAME}")
+    if cfg.wandb_project and log.enabled:
+        log.mirror = WandbRun(cfg.out_dir, cfg.wandb_project, cfg.wandb_group,
+                              {**(model_config or {}), **asdict(cfg)}, resumed=checkpoint is not None)
+    return log
 
 
 def save_evaluated(cfg: TrainConfig, iteration: int, checkpoint_state: Callable[[], dict], latest: bool) -> None:

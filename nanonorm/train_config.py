@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -38,6 +39,8 @@ class TrainConfig:
     overwrite: bool = False  # let a new run delete an earlier run's checkpoints and metrics in out_dir
     keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: none)
     sample_tokens: int = 0  # print this many tokens sampled from the final model (task lm)
+    wandb_project: str = ""  # also log every train and eval line, the config and the commit to this wandb project
+    wandb_group: str = ""  # the wandb group of the run (sweep.py gives its runs the sweep's out_root name)
     log_diagnostics: bool = False  # eval lines: gradient statistics, GeoNorm angles; at the end each block skip loss
     # data
     task: str = "lm"  # "lm": next-token prediction; "icl": Bir et al.'s in-context least squares (icl_task.py)
@@ -74,6 +77,7 @@ class TrainConfig:
     dtype: str = "auto"  # float32, bfloat16, float16, or auto: bf16 (fp16 on old GPUs) on CUDA, float32 else
     compile: bool | None = None  # torch.compile the model; None: on CUDA only (a CPU compile takes minutes)
     seed: int = 1337  # the init, and every batch and dropout mask (a pure function of seed and iteration)
+    deterministic: bool = False  # deterministic kernels (use_deterministic_algorithms; cuBLAS workspace, no benchmark)
     dist_timeout: float = 1800.0  # seconds a rank waits for the others (torchrun) before it stops with a message
 
 
@@ -330,7 +334,22 @@ def check_train_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"momentum={cfg.momentum} must lie in [0, 1)")
     if not cfg.dist_timeout > 0:
         raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:  # optional: imported only when asked for
+        raise ConfigError(f"wandb_project={cfg.wandb_project!r}, but wandb is not installed: pip install wandb "
+                          "(or leave wandb_project unset; metrics.jsonl holds every line anyway)")
     check_device(cfg.device)
+
+
+def use_deterministic(cfg: TrainConfig) -> None:
+    """deterministic=True: the same kernels and so the same bits on every run of the same command (a resume
+    then matches an uninterrupted run bitwise on a GPU too): torch.use_deterministic_algorithms, which needs
+    cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when CUDA starts, so this runs first), and no cuDNN
+    autotuning. A CUBLAS_WORKSPACE_CONFIG already set (:16:8 also works) is kept."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def check_device(device: str) -> None:

@@ -245,3 +245,19 @@ def test_diagnostics_log_per_block_gradient_norms_and_at_the_end_each_blocks_ski
         torch.testing.assert_close(train.split_loss(gpt, task, "val", train.Dist(), contextlib.nullcontext()) - base,
                                    increase, rtol=0, atol=1e-6)  # float32 rounding of two means
         gpt.blocks = kept
+
+
+def test_deterministic_run_sets_the_deterministic_kernels(data_dir, tmp_path, monkeypatch):
+    """--deterministic=True: torch.use_deterministic_algorithms on, cuBLAS's fixed workspace in the environment
+    before CUDA starts (a GPU resume is then bitwise), cuDNN's autotuning off; the default leaves them alone."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        assert train.train(tiny_run_args(data_dir, str(tmp_path / "plain"), max_iters=2)) == 0
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        assert train.train(tiny_run_args(data_dir, str(tmp_path / "run"), max_iters=2, deterministic=True)) == 0
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
+    finally:
+        torch.use_deterministic_algorithms(before)
