@@ -236,7 +236,7 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                if torch.is_tensor(t))
 
 
-def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_model: bool, batch, autocast):
+def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_model: bool | str, batch, autocast):
     torch.manual_seed(0)
     model = GPT(config).to(device)
     optimizer = None
@@ -338,7 +338,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
-              device: str = "cpu", dtype: str = "auto", compile_model: bool = False, rounds: int = 20,
+              device: str = "cpu", dtype: str = "auto", compile_model: bool | str = False, rounds: int = 20,
               warmup: int = 3, nanogpt: str | None = None, threads: int | None = None,
               clock: str = "wall", profile: int = 0, default_malloc: bool = False) -> dict[str, list[dict]]:
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
@@ -456,7 +456,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block and the head (GPT.compile_regions: one compile per block structure)")
+    p.add_argument("--compile_whole", action="store_true",
+                   help="torch.compile the whole model into one graph, as train.py does (longer to compile)")
     p.add_argument("--rounds", type=int, default=20,
                    help="timed steps per case; more rounds narrow the median's confidence interval")
     p.add_argument("--warmup", type=int, default=3)
@@ -475,8 +478,8 @@ def main() -> None:
     check_args(p, args)
     try:
         run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype,
-                  args.compile, args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
-                  args.default_malloc)
+                  "whole" if args.compile_whole else args.compile, args.rounds, args.warmup, args.nanogpt,
+                  args.threads, args.clock, args.profile, args.default_malloc)
     except BenchError as e:
         p.error(str(e))
 
