@@ -11,6 +11,14 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
         --select_seeds 0 --seeds 1,2,3,4,5 --baseline norm_scheme=pre --out_root out/lr \\
         --row_claim norm_scheme=geonorm:lower:0.05 norm_scheme=post:none    # each scheme at its own best rate
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
+    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --seeds 1,2 --gpus 0,1 --runs_per_gpu 2
+    python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --gpus all --gpus_per_run 4   # torchrun
+    python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --executor slurm --slurm_partition gpu
+
+Devices and executors (nanonorm/launch.py; docs/comparing.md): --gpus gives each run its own GPUs
+(CUDA_VISIBLE_DEVICES), --runs_per_gpu K runs share one, --gpus_per_run N launch each by torchrun; --executor
+slurm submits each run as a SLURM job through submitit (local: the same on this machine), resubmits a run whose
+job ended before it to resume, and the same command continues the sweep, waiting for its jobs still queued.
 
 With --lr_grid, every grid point runs every rate on the selection seeds (--select_seeds; default one seed not in
 --seeds); the rate with the lowest final val loss (mean over them) is its best (a diverged or crashed run ranks
@@ -39,7 +47,7 @@ grid prints no verdict, and with --baseline (which then only sets the ms/iter re
 tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
-output goes to out_dir/train.log, its exit code, wall time and resolved settings to out_dir/run.json, and
+output goes to out_dir/train.log, its exit code, wall time, resolved settings and GPUs to out_dir/run.json, and
 the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's up to max_iters (a
 run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
 crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless

@@ -165,19 +165,23 @@ class Launcher:
         groups = ", ".join(map(device_text, self.groups))
         where = (f" on {len(self.groups)} group(s) of {self.gpus_per_run} GPU(s) ({groups}), {self.capacity} run(s) "
                  "per group at a time" if self.groups else "")
-        through = {"process": "", "local": ", through submitit's local executor",
-                   "slurm": ", each a SLURM job (submitit): " + " ".join(sbatch_flags(self.slurm))}[self.executor]
+        if self.executor == "slurm":
+            threads = f"OMP_NUM_THREADS={self.threads}" if self.threads else "the threads its node gives"
+            return f"each a SLURM job (submitit: sbatch {' '.join(sbatch_flags(self.slurm))}), {threads}"
+        through = ", through submitit's local executor" if self.executor == "local" else ""
         return f"{self.workers} at a time with OMP_NUM_THREADS={self.threads}{where}{through}"
 
     def dry_run_lines(self, train_py: str, argvs: list[list[str]]) -> list[str]:
         """One line per run: its devices, then its command (as planned_devices places them)."""
         if self.executor == "slurm":
             gpus = self.slurm.get("gpus_per_node")
-            where = [f"# a SLURM job{f' with {gpus} GPU(s)' if gpus else ''}"] * len(argvs)
-        else:
-            places = planned_devices(len(argvs), self.groups, self.capacity) if self.groups else [None] * len(argvs)
-            where = [f"# {device_text(g)}: " + " ".join(f"{k}={v}" for k, v in device_env(g).items()) for g in places]
-        return [f"{w}\n{shlex.join(self.command(train_py, argv)).replace(sys.executable, 'python', 1)}"
+            where = [f"# a SLURM job{f' with {gpus} GPU(s)' if gpus else ''}\n"] * len(argvs)
+        elif self.groups:
+            where = [f"# {device_text(g)}: " + " ".join(f"{k}={v}" for k, v in device_env(g).items()) + "\n"
+                     for g in planned_devices(len(argvs), self.groups, self.capacity)]
+        else:  # on the CPU: the commands alone
+            where = [""] * len(argvs)
+        return [f"{w}{shlex.join(self.command(train_py, argv)).replace(sys.executable, 'python', 1)}"
                 for w, argv in zip(where, argvs, strict=True)]
 
 

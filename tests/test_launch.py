@@ -221,3 +221,14 @@ def test_executor_local_runs_a_two_arm_lr_grid_sweep_to_its_verdict_table(data_d
     runs = [d for d in out_root.iterdir() if (d / "run.json").exists()]
     assert len(runs) == 6 and all((d / "job.json").exists() for d in runs)
     assert "verdict vs baseline" in (out_root / "summary.md").read_text()
+
+
+def test_a_sweep_groups_its_runs_in_wandb(tmp_path, capsys):
+    """Every run of a sweep that logs to wandb gets the sweep's group: --wandb_group, or the out_root's name."""
+    base = [CONFIG, "--grid", "norm_scheme=pre,geonorm", "--set", "wandb_project=p", "--dry_run"]
+    assert sweep.main([*base, "--out_root", str(tmp_path / "depth_L4")]) == 0
+    assert capsys.readouterr().out.count("--wandb_group=depth_L4") == 2
+    assert sweep.main([*base, "--out_root", str(tmp_path / "s"), "--wandb_group", "mine"]) == 0
+    assert capsys.readouterr().out.count("--wandb_group=mine") == 2
+    assert sweep.main([CONFIG, "--wandb_group", "g", "--out_root", str(tmp_path / "s"), "--dry_run"]) == 2
+    one_line_error(capsys, "--wandb_group", "wandb_project")
