@@ -273,7 +273,9 @@ def forwarding_to(process: subprocess.Popen) -> Iterator[None]:
     def forward(signum: int, frame) -> None:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
-        threading.Timer(STOP_WAIT_S, lambda: process.poll() is None and process.kill()).start()
+        timer = threading.Timer(STOP_WAIT_S, lambda: process.poll() is None and process.kill())
+        timer.daemon = True  # the job ends with its train.py, not STOP_WAIT_S later
+        timer.start()
 
     if threading.current_thread() is not threading.main_thread():
         yield
