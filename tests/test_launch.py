@@ -5,6 +5,7 @@ checked by a stand-in sbatch), a job that ends before its run resubmitted to res
 import json
 import os
 import pathlib
+import signal
 import stat
 import sys
 import threading
@@ -232,3 +233,35 @@ def test_a_sweep_groups_its_runs_in_wandb(tmp_path, capsys):
     assert capsys.readouterr().out.count("--wandb_group=mine") == 2
     assert sweep.main([CONFIG, "--wandb_group", "g", "--out_root", str(tmp_path / "s"), "--dry_run"]) == 2
     one_line_error(capsys, "--wandb_group", "wandb_project")
+
+
+WAITS_FOR_A_STOP = """import os, signal, sys, time
+out = sys.argv[1]
+os.kill(os.getpid(), signal.SIGUSR2)  # submitit's warning before a time limit: ignored here, not fatal
+def stop(signum, frame):
+    open(os.path.join(out, 'got'), 'w').write(signal.Signals(signum).name)
+    sys.exit(4)  # as train.py: saved, then stopped
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(out, 'ready'), 'w').close()
+time.sleep(60)
+"""
+
+
+def test_a_stop_signal_to_a_job_reaches_its_train_py_as_sigterm(tmp_path):
+    """SLURM's SIGUSR2 before the time limit (or its SIGTERM at preemption) to the job's process reaches the run's
+    train.py as SIGTERM, on which it saves and stops; SIGUSR2 sent to train.py itself does not kill it."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(WAITS_FOR_A_STOP)
+    out_dir = tmp_path / "run"
+    job = launch.TrainJob([sys.executable, str(script)], [str(out_dir)], str(out_dir), {}, {"point": {}})
+
+    def signal_when_ready() -> None:
+        deadline = time.monotonic() + 60
+        while not (out_dir / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    threading.Thread(target=signal_when_ready, daemon=True).start()
+    info = job()
+    assert info["exit_code"] == 4 and (out_dir / "got").read_text() == "SIGTERM"
+    assert json.loads((out_dir / "run.json").read_text())["exit_code"] == 4
