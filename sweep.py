@@ -619,14 +619,16 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def launch(job: dict, launcher: Launcher, devices: contextlib.AbstractContextManager) -> dict:
-    """Run one job to its end on a slot of `devices` (the GPUs it gets): output to out_dir/train.log; exit code, wall
-    time (summed over resumptions), the run's resolved settings, its GPUs and launcher and the code's commit to
-    out_dir/run.json. A sweep stopping starts no run (Interrupted). An OSError launching it or writing its run.json
-    is returned as its "error", and no run starts after it ({"not_started": True})."""
+def launch(job: dict, threads: int, launcher: Launcher | None = None,
+           devices: contextlib.AbstractContextManager | None = None) -> dict:
+    """Run one job to its end (with OMP_NUM_THREADS=threads; on a slot of `devices`, the GPUs it gets, started as
+    `launcher` says: default python train.py): output to out_dir/train.log; exit code, wall time (summed over
+    resumptions), the run's resolved settings, its GPUs and launcher and the code's commit to out_dir/run.json. A
+    sweep stopping starts no run (Interrupted). An OSError launching it or writing its run.json is returned as its
+    "error", and no run starts after it ({"not_started": True})."""
     try:
-        with devices as gpus:
-            info = run_to_end(job, launcher, gpus)
+        with devices or contextlib.nullcontext() as gpus:
+            info = run_to_end(job, launcher or Launcher(1, threads), gpus)
     except NotStarted:
         return {"not_started": True}
     except OSError as e:
@@ -795,22 +797,23 @@ def busy_runs(jobs: list[dict]) -> list[str]:
     return busy
 
 
-def execute(pending: list[dict], launcher: Launcher, out_root: str = "out/sweep") -> None:
-    """Run the jobs, launcher.workers at a time (each on a free slot of its GPUs), printing each outcome as it comes;
-    through submitit when launcher.executor says so (execute_jobs). A run folder in use by another process stops
-    the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run that cannot be launched
-    or recorded (an OSError) is reported in its line, nothing starts after it, and LaunchFailed is raised once the
-    running runs have ended."""
-    if launcher.executor != "process":
+def execute(pending: list[dict], workers: int, threads: int, launcher: Launcher | None = None,
+            out_root: str = "out/sweep") -> None:
+    """Run the jobs, `workers` at a time (each on a free slot of launcher's GPUs, if it has any), printing each
+    outcome as it comes; through submitit when launcher.executor says so (execute_jobs). A run folder in use by
+    another process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run
+    that cannot be launched or recorded (an OSError) is reported in its line, nothing starts after it, and
+    LaunchFailed is raised once the running runs have ended."""
+    if launcher is not None and launcher.executor != "process":
         return execute_jobs(pending, launcher, out_root)
     if busy := busy_runs(pending):
         raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
                          "wait for it to end or stop it, then run the same command again. Nothing was started")
     CHILDREN.reset()
     failures, left, done = [], set(), 0
-    devices = launcher.pool()
-    with ThreadPoolExecutor(launcher.workers) as pool:
-        futures = {pool.submit(launch, job, launcher, devices.slot() if devices else contextlib.nullcontext()): job
+    devices = launcher.pool() if launcher else None
+    with ThreadPoolExecutor(workers) as pool:  # on GPUs, each run takes a slot; on the CPU, launch(job, threads)
+        futures = {pool.submit(launch, job, threads, *((launcher, devices.slot()) if devices else ())): job
                    for job in pending}
         try:
             for future in as_completed(futures):
@@ -902,7 +905,7 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
         return rows
 
     try:
-        execute(pending, launcher, out_root)
+        execute(pending, launcher.workers, launcher.threads, launcher, out_root)
     except LaunchFailed as e:
         finish(e.kept(todo), e.note)
         raise
@@ -1317,12 +1320,13 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
 
     rest: list[dict] = []
     try:
-        execute(pending, launcher, out_root)
+        execute(pending, launcher.workers, launcher.threads, launcher, out_root)
         check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
         rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
                 for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
                                      fixed, out_root, rerun, (lr_key, ratios))]
-        execute([job for job in rest if job["state"] != "finished"], launcher, out_root)
+        execute([job for job in rest if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
+                out_root)
     except LaunchFailed as e:
         finish(e.kept(first), e.kept(rest), e.note)
         raise
