@@ -140,6 +140,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "compact_vocab": (lambda t, m: t.task == "lm", "task='lm'"),
     "sample_tokens": (lambda t, m: t.task == "lm", "task='lm'"),
     "icl_pairs": (lambda t, m: t.task == "icl", "task='icl'"),
+    "wandb_group": (lambda t, m: bool(t.wandb_project), "wandb_project set"),
     "norm": (lambda t, m: places_norm(m), "a scheme with input, pre, mid, post or final norms"),
     "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ELEMENTWISE_NORMS or normalizes_heads(m),
                  "LayerNorm, RMSNorm or head-wise norms, or q/k/v norms"),
