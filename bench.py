@@ -236,14 +236,18 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                if torch.is_tensor(t))
 
 
-def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_model: bool, batch, autocast):
+def build_case(config: GPTConfig, opt_name: str | None, device: str, compile_model: bool | str, batch, autocast):
     torch.manual_seed(0)
     model = GPT(config).to(device)
     optimizer = None
     if opt_name is not None:
         optimizer = optim.build_optimizer(model, opt_name, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
                                           device_type=device.split(":")[0], matrix_lr=1e-3)
-    runner = torch.compile(model, dynamic=False) if compile_model else model  # static shapes, as every case has
+    runner = model
+    if compile_model == "whole":
+        runner = torch.compile(model, dynamic=False)  # static shapes, as every case has
+    elif compile_model:  # each block once, and the head (GPT.compile_regions)
+        model.compile_regions(dynamic=False)
     return make_step(runner, optimizer, batch, autocast), model, optimizer
 
 
@@ -334,7 +338,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def run_bench(shape: str = "cpu", schemes: list[str] | None = None, optimizers: list[str] | None = None,
-              device: str = "cpu", dtype: str = "auto", compile_model: bool = False, rounds: int = 20,
+              device: str = "cpu", dtype: str = "auto", compile_model: bool | str = False, rounds: int = 20,
               warmup: int = 3, nanogpt: str | None = None, threads: int | None = None,
               clock: str = "wall", profile: int = 0, default_malloc: bool = False) -> dict[str, list[dict]]:
     """Time training steps; returns {"schemes": rows, "optimizers": rows}, each row a dict with name,
@@ -452,7 +456,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block and the head (GPT.compile_regions: one compile per block structure)")
+    p.add_argument("--compile_whole", action="store_true",
+                   help="torch.compile the whole model into one graph, as train.py does (longer to compile)")
     p.add_argument("--rounds", type=int, default=20,
                    help="timed steps per case; more rounds narrow the median's confidence interval")
     p.add_argument("--warmup", type=int, default=3)
@@ -471,8 +478,8 @@ def main() -> None:
     check_args(p, args)
     try:
         run_bench(args.shape, name_list(args.schemes), name_list(args.optimizers), args.device, args.dtype,
-                  args.compile, args.rounds, args.warmup, args.nanogpt, args.threads, args.clock, args.profile,
-                  args.default_malloc)
+                  "whole" if args.compile_whole else args.compile, args.rounds, args.warmup, args.nanogpt,
+                  args.threads, args.clock, args.profile, args.default_malloc)
     except BenchError as e:
         p.error(str(e))
 

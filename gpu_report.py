@@ -1,19 +1,22 @@
 """
 One command that checks a GPU and writes what it measured as one Markdown report:
 
-    python gpu_report.py                  # about 11 minutes on one H200 (mostly compiling)
-    python gpu_report.py --dry_run        # what it would run, and how long each part should take
+    python gpu_report.py --budget 540     # every part within 540 s on one H100/H200
+    python gpu_report.py --dry_run        # its plan part by part: estimated seconds and each part's limit
 
 It runs, in order:
   1. the CUDA-marked tests (pytest -m cuda);
   2. GPT-2 small (124M) under torch.compile, bf16: every scheme with AdamW and every optimizer with
      Pre-Norm (bench.py), timed one process, after every case was compiled once in parallel worker
-     processes (torch.compile's on-disk caches then serve the timed process in seconds a case);
-  3. `torchrun --nproc_per_node=1 train.py configs/geonorm_125m.py` on the embedded Shakespeare corpus
-     (GPT-2 BPE, offline) for 200 iterations, stopped by SIGTERM after iteration 100 and resumed, against an
-     uninterrupted run: every logged loss and the final weights and optimizer state must agree bitwise.
-     It runs while the workers compile (it is not timed).
-Every part has a time limit; one that fails or runs out is reported as such and the rest still run.
+     processes (torch.compile's on-disk caches then serve the timed process in seconds a case). Each case
+     compiles regionally (GPT.compile_regions: each block structure once, and the head), not the whole model;
+  3. `torchrun --nproc_per_node=1 train.py configs/geonorm_125m.py --deterministic=True --compile=False` on the
+     embedded Shakespeare corpus (GPT-2 BPE, offline) for 200 iterations, stopped by SIGTERM after iteration 100
+     and resumed, against an uninterrupted run: every logged loss and the final weights and optimizer state must
+     agree bitwise (deterministic kernels make two runs of one command agree; eager, so that no compile shares
+     the budget). It runs while the workers compile (it is not timed).
+Every part has a time limit, and the limits add up to at most --budget (part_limits); one that fails or runs
+out is reported as such and the rest still run.
 """
 
 from __future__ import annotations
@@ -62,18 +65,37 @@ class Plan:
         return ["configs/geonorm_125m.py", "--dataset=shakespeare", f"--max_iters={self.iters}",
                 f"--lr_decay_iters={self.iters}", f"--warmup_iters={self.iters // 10}",
                 f"--eval_interval={self.iters // 2}", "--eval_iters=10", "--log_interval=1", "--sample_tokens=0",
-                "--always_save_checkpoint=True", *self.train_args]
+                "--always_save_checkpoint=True", "--deterministic=True", "--compile=False", *self.train_args]
 
 
 SMOKE = Plan(shape="tiny", device="cpu", compile=False, iters=20, cases=3, train_args=(
-    "--dataset=shakespeare_char", "--device=cpu", "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=32",
+    "--dataset=shakespeare_char", "--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32",
     "--block_size=32", "--batch_size=2", "--gradient_accumulation_steps=2", "--eval_iters=2"))
-# (part, expected seconds on one H200 with 16 host cores, as measured 2026-11-27; time limit in seconds). The
-# first three run side by side, then the bench and the profile alone on the GPU. Compiling is most of it.
-PARTS = (("CUDA-marked tests", 80, 150), ("compile every case in parallel workers", 330, 400),
-         ("torchrun geonorm_125m, SIGTERM half way and resume, against a straight run", 250, 400),
-         ("bench: schemes and optimizers, 124M, compiled, bf16", 240, 300),
-         ("profile: where the time goes in GeoNorm's and nGPT's steps, and in Muon's and Manifold Muon's", 60, 120))
+# (part, estimated seconds on one H100/H200 with 16 host cores). The first three run side by side (phase 1), then
+# the bench (2) and the profile (3) alone on the GPU. Estimated, not yet measured with this code: the 2026-11-27
+# H200 run (tests 80 s; 22 cases compiled whole, 330 s in 6 workers; bench 240 s, mostly rebuilding the compiled
+# cases; profile 60 s) scaled by the CPU compile time of regional against whole-model compilation (docs/speed.md)
+# and to 27 cases; the resume check runs eager now (about 200 steps of 124M and three process starts).
+PARTS = (("CUDA-marked tests", 1, 80), ("compile every case in parallel workers", 1, 200),
+         ("torchrun geonorm_125m, SIGTERM half way and resume, against a straight run", 1, 90),
+         ("bench: schemes and optimizers, 124M, compiled, bf16", 2, 110),
+         ("profile: where the time goes in GeoNorm's and nGPT's steps, and in Muon's and Manifold Muon's", 3, 40))
+STARTUP_S = 15  # the report's own start, the environment lines and the report's writing
+
+
+def part_limits(budget: float) -> dict[str, float]:
+    """Each part's time limit: the budget less STARTUP_S, shared among the three phases in proportion to their
+    estimated seconds (a phase's estimate: its longest part's), every part of a phase at the phase's share. The
+    phases run one after another, so the limits of phase 1 (any of its parts), 2 and 3 add up to the budget at
+    most, and a part that runs out is cut off and reported, never the report."""
+    phases = phase_estimates()
+    scale = max(budget - STARTUP_S, 0.0) / sum(phases.values())
+    return {part: phases[phase] * scale for part, phase, _ in PARTS}
+
+
+def phase_estimates() -> dict[int, int]:
+    """Each phase's estimated seconds: its longest part's (the parts of a phase run side by side)."""
+    return {phase: max(est for _, p, est in PARTS if p == phase) for _, phase, _ in PARTS}
 
 
 def cases(plan: Plan) -> list[tuple[str, str]]:
@@ -164,8 +186,9 @@ def warm_all(plan: Plan, limit: float, workers: int, logs: str) -> str:
         if code != 0:
             failed.append(f"{name} ({'time limit' if code is None else f'exit {code}'}): {tail(out, 3)}")
 
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, cases(plan)))
+    models = [(case, "adamw") for case in dict.fromkeys(case for case, _ in cases(plan))]  # an optimizer's case
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # compiles Pre-Norm's model: compiled once here
+        list(pool.map(one, models))
     return "every case compiled" if not failed else "failed: " + "; ".join(failed)
 
 
@@ -242,16 +265,24 @@ def environment(plan: Plan) -> list[str]:
             f"check: torchrun --nproc_per_node=1 train.py {' '.join(plan.resume_args)})"]
 
 
-def dry_run(plan: Plan) -> None:
-    print("python gpu_report.py would run, on one CUDA GPU (expected time on one H200; time limit):")
-    for part, expected, limit in PARTS:
-        print(f"- {part}: ~{expected} s; limit {limit} s")
-    print(f"  compile workers: {len(cases(plan))} cases ({', '.join('/'.join(c) for c in cases(plan))})")
+def dry_run(plan: Plan, budget: float) -> None:
+    limits = part_limits(budget)
+    print(f"python gpu_report.py --budget {budget:g} would run, on one CUDA GPU (estimated seconds on one "
+          "H100/H200; each part's time limit under the budget):")
+    for part, phase, estimate in PARTS:
+        alongside = " (side by side with the other phase-1 parts)" if phase == 1 else ""
+        print(f"{phase}. {part}{alongside}: ~{estimate} s, limit {limits[part]:.0f} s")
+    total = sum(phase_estimates().values()) + STARTUP_S
+    limit = sum(max(limits[part] for part, p, _ in PARTS if p == phase) for phase in phase_estimates()) + STARTUP_S
+    fits = "within the budget" if total <= budget else "OVER the budget: parts will be cut off at their limits"
+    print(f"estimated ~{total:.0f} s in all, {fits}; the phases' limits and the start add up to {limit:.0f} s "
+          f"of {budget:g}")
+    models = list(dict.fromkeys(case for case, _ in cases(plan)))
+    print(f"  compile workers: the {len(models)} models of the {len(cases(plan))} cases ({', '.join(models)}; the "
+          "optimizers' cases train Pre-Norm's)")
     print(f"  bench: python bench.py {' '.join(plan.bench_args)}")
     print(f"  profile: python bench.py {' '.join(plan.profile_args)}")
     print(f"  resume: torchrun --standalone --nproc_per_node=1 train.py {' '.join(plan.resume_args)}")
-    print("the tests, the compile workers and the resume check run side by side, then the bench and the profile "
-          "alone: about 11 minutes in all (--budget caps it)")
 
 
 def gpu_report(plan: Plan, report_path: str, workers: int | None, budget: float) -> int:
@@ -275,7 +306,7 @@ def gpu_report(plan: Plan, report_path: str, workers: int | None, budget: float)
         print(f"[{time.monotonic() - t0:5.0f} s] {part}: {what}", flush=True)
 
     tests, compiles, resume, bench, profile = (part for part, _, _ in PARTS)
-    limits = {part: min(limit, budget / 2) for part, _, limit in PARTS}  # half the budget at most for each
+    limits = part_limits(budget)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # none of these three is timed
         ran_tests = pool.submit(run, [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                                  "--continue-on-collection-errors"],
@@ -308,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", help="the Markdown report to write, a new file (its logs go in a folder beside it); "
                                     "default out/gpu_report/<UTC date and time>.md")
     p.add_argument("--workers", type=int, help="parallel compile workers (default: by cores and GPU memory, at most 6)")
-    p.add_argument("--budget", type=float, default=900,
-                   help="seconds for everything: the bench and the profile get what the parts before them left")
+    p.add_argument("--budget", type=float, default=540,
+                   help="seconds for everything (default 540): each part's limit is its share (part_limits), and the "
+                        "bench and the profile also stop where the budget ends")
     p.add_argument("--smoke", action="store_true",
                    help="the same parts on the CPU at a tiny size, uncompiled: checks the plumbing, measures nothing")
     p.add_argument("--warm", nargs=2, metavar=("CASE", "OPTIMIZER"), help=argparse.SUPPRESS)
@@ -329,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.lexists(path):
             p.error(f"{path} exists; give another --report (a new file name such as gpu_report.md)")
     if args.dry_run:
-        dry_run(plan)
+        dry_run(plan, args.budget)
         return 0
     return gpu_report(plan, args.report, args.workers, args.budget)
 

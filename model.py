@@ -370,12 +370,16 @@ class ScaledAdd(nn.Module):
 
     def __init__(self, alpha: float, beta: float):
         super().__init__()
-        self.alpha, self.beta = alpha, beta
+        self.alpha, self.beta, self.plain = alpha, beta, alpha == 1.0 and beta == 1.0
+        # the forward reads the constants from a buffer, not these floats: a compiled block guards on a float it
+        # reads, so blocks with other constants (pre_alt's differ per update) would each compile anew
+        self.register_buffer("coefficients", torch.tensor([alpha, beta], dtype=torch.float64), persistent=False)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.alpha == 1.0 and self.beta == 1.0:
+        if self.plain:
             return x + y
-        return torch.add(x * self.alpha, y, alpha=self.beta)  # two passes over the stream, not three
+        alpha, beta = self.coefficients
+        return torch.addcmul(x * alpha, beta, y)  # two passes over the stream, not three
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha:.4g}, beta={self.beta:.4g}"
@@ -429,7 +433,7 @@ def geonorm_decay(schedule: str, layer: int, n_layer: int) -> float:
     return 1.0
 
 
-def geodesic_angle(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float,
+def geodesic_angle(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float | torch.Tensor,
                    clamp: float, lowest: float = -math.inf) -> tuple[torch.Tensor, ...]:
     """The applied angle theta' of `geodesic_step`, the radius ||x||, the tangent v and ||v|| (per token), in
     the wider dtype of x and s (a bf16 sub-layer output meets a float32 stream under autocast)."""
@@ -442,7 +446,7 @@ def geodesic_angle(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.T
     return theta, radius, v, v_norm
 
 
-def geodesic_step(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float,
+def geodesic_step(x: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor, decay: float | torch.Tensor,
                   clamp: float, lowest: float = -math.inf) -> torch.Tensor:
     """GeoNorm eq. 5: x moved along the sphere of radius ||x|| toward s, by the angle of `geodesic_angle`."""
     theta, radius, v, v_norm = geodesic_angle(x, s, a, b, decay, clamp, lowest)
@@ -466,6 +470,8 @@ class GeodesicStep(nn.Module):
     def __init__(self, decay: float, clamp: float, affine: bool = True, sides: str = "upper"):
         super().__init__()
         self.decay, self.clamp, self.sides = decay, clamp, sides
+        # read by the forward in place of the float, as ScaledAdd's coefficients: blocks of other depths share code
+        self.register_buffer("decay_factor", torch.tensor(decay, dtype=torch.float64), persistent=False)
         self.lowest = -clamp if sides == "both" else -math.inf
         if affine:
             self.a = nn.Parameter(torch.tensor(1.0))
@@ -476,10 +482,10 @@ class GeodesicStep(nn.Module):
 
     def angle(self, x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The applied angle theta', the radius ||x||, the tangent v and ||v|| (per token)."""
-        return geodesic_angle(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
+        return geodesic_angle(x, s, self.a, self.b, self.decay_factor, self.clamp, self.lowest)
 
     def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return geodesic_step(x, s, self.a, self.b, self.decay, self.clamp, self.lowest)
+        return geodesic_step(x, s, self.a, self.b, self.decay_factor, self.clamp, self.lowest)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay:.4g}, clamp={self.clamp:.4g}, sides={self.sides}"
@@ -908,6 +914,8 @@ class ResidualUpdate(nn.Module):
         self.pre_norm = maybe_norm(config, scheme.normalizes("pre", f"pre_{name}"), alpha)
         # LNS (Sun et al.): the pre-norm output of block l = layer + 1 times 1/sqrt(l)
         self.pre_norm_scale = 1 / math.sqrt(layer + 1) if scheme.pre_norm_scale == "1/sqrt(l)" else 1.0
+        lns = torch.tensor(self.pre_norm_scale, dtype=torch.float64) if scheme.pre_norm_scale != "1" else None
+        self.register_buffer("pre_scale", lns, persistent=False)  # a buffer, as ScaledAdd's coefficients
         self.sublayer = sublayer
         self.branch_scale = scheme.branch_scale
         self.dropout = nn.Dropout(config.dropout)
@@ -920,8 +928,8 @@ class ResidualUpdate(nn.Module):
 
     def branch(self, x: torch.Tensor, ctx: dict | None = None) -> torch.Tensor:
         h = self.pre_norm(x)
-        if self.pre_norm_scale != 1.0:
-            h = self.pre_norm_scale * h
+        if self.pre_scale is not None:
+            h = self.pre_scale * h
         y = self.sublayer(h, ctx) if self.takes_ctx else self.sublayer(h)
         if self.branch_scale != 1.0:
             y = self.branch_scale * y
@@ -1030,7 +1038,12 @@ class GPT(nn.Module):
         ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
             x = block(x, ctx)
-        if self.streams is not None:  # hyper-connections sum their streams, Attention Residuals read their sources
+        return self.head(x, targets)
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stream after the last block -> forward's logits and loss: the streams' sum (hyper-connections) or
+        read (Attention Residuals), the final norm, the output layer, the softcap, the cross-entropy and z-loss."""
+        if self.streams is not None:
             x = columns.reduce(x) if self.read_out is None else self.read_out.read(x)
         x = self.head_in(self.final_norm(x))
         if self.config.vector_mode:
@@ -1044,6 +1057,15 @@ class GPT(nn.Module):
         if self.z_loss and self.training:  # the objective only: evaluations report the cross-entropy
             loss = loss + self.z_loss * columns.z_loss(logits, targets)
         return logits, loss
+
+    def compile_regions(self, **options) -> None:
+        """Regional compilation: torch.compile each block and the head in place (the embedding stays eager). Dynamo
+        compiles Block.forward once and every block of the same structure reuses it (per-block constants are
+        buffers, which it does not guard on), where compiling the whole model unrolls all L blocks into one graph
+        and compiles each of them."""
+        for block in self.blocks:
+            block.compile(**options)
+        self.head = torch.compile(self.head, **options)  # the instance's attribute, in place of the method
 
     @torch.no_grad()
     def apply_parameter_constraints(self) -> None:

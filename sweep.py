@@ -11,6 +11,14 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
         --select_seeds 0 --seeds 1,2,3,4,5 --baseline norm_scheme=pre --out_root out/lr \\
         --row_claim norm_scheme=geonorm:lower:0.05 norm_scheme=post:none    # each scheme at its own best rate
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
+    python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --seeds 1,2 --gpus 0,1 --runs_per_gpu 2
+    python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --gpus all --gpus_per_run 4   # torchrun
+    python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --executor slurm --slurm_partition gpu
+
+Devices and executors (nanonorm/launch.py; docs/comparing.md): --gpus gives each run its own GPUs
+(CUDA_VISIBLE_DEVICES), --runs_per_gpu K runs share one, --gpus_per_run N launch each by torchrun; --executor
+slurm submits each run as a SLURM job through submitit (local: the same on this machine), resubmits a run whose
+job ended before it to resume, and the same command continues the sweep, waiting for its jobs still queued.
 
 With --lr_grid, every grid point runs every rate on the selection seeds (--select_seeds; default one seed not in
 --seeds); the rate with the lowest final val loss (mean over them) is its best (a diverged or crashed run ranks
@@ -43,7 +51,7 @@ grid prints no verdict, and with --baseline (which then only sets the ms/iter re
 tables.
 
 Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
-output goes to out_dir/train.log, its exit code, wall time and resolved settings to out_dir/run.json, and
+output goes to out_dir/train.log, its exit code, wall time, resolved settings and GPUs to out_dir/run.json, and
 the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's up to max_iters (a
 run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
 crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless
@@ -79,7 +87,6 @@ import itertools
 import json
 import math
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -97,6 +104,18 @@ from scipy import stats
 import prepare_data
 import train
 from model import GPTConfig
+from nanonorm.launch import (
+    EXECUTORS,
+    Launcher,
+    LaunchError,
+    TrainJob,
+    device_env,
+    device_text,
+    gpu_groups,
+    parse_gpus,
+    run_jobs,
+    slurm_parameters,
+)
 from nanonorm.resume import data_fingerprint, fingerprint_changes
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
@@ -104,6 +123,7 @@ from nanonorm.run_files import (
     LOCK_NAME,
     OutDirInUse,
     OutDirLock,
+    code_version,
     previous_run_files,
     write_atomically,
 )
@@ -143,7 +163,8 @@ With --jobs N alone, each run gets cores // N threads."""
 
 
 RESUME_FLAGS = ("init_from", "overwrite")  # what sweep.py adds to a command to resume or redo a run
-BOOKKEEPING_KEYS = ("out_dir", *RESUME_FLAGS)  # where a run writes and how it starts, not what it trains
+# where a run writes, how it starts, logs and runs, not what it trains
+BOOKKEEPING_KEYS = ("out_dir", *RESUME_FLAGS, "wandb_project", "wandb_group", "deterministic")
 
 
 class SweepError(ValueError):
@@ -463,6 +484,26 @@ def parallelism(jobs: str | int, threads_per_run: int | None) -> tuple[int, int]
     return (max(1, cores // threads_per_run) if jobs == "auto" else int(jobs)), threads_per_run
 
 
+def cpu_launcher(jobs: str | int = "auto", threads_per_run: int | None = None, executor: str = "process") -> Launcher:
+    """Runs on this machine's cores (parallelism), started by `executor`."""
+    return Launcher(*parallelism(jobs, threads_per_run), executor=executor)
+
+
+def gpu_launcher(gpus: list[int], runs_per_gpu: int, gpus_per_run: int, jobs: str, threads_per_run: int | None,
+                 executor: str = "process") -> Launcher:
+    """Runs on groups of gpus_per_run GPUs, runs_per_gpu at a time on each group: as many workers as slots (fewer
+    with --jobs N), and the cores shared among them."""
+    groups = gpu_groups(gpus, gpus_per_run)
+    slots = len(groups) * runs_per_gpu
+    if jobs != "auto" and int(jobs) > slots:
+        raise SweepError(f"--jobs {jobs}: more runs at a time than the {slots} GPU slot(s) of --gpus and "
+                         "--runs_per_gpu; give --jobs auto, or more --runs_per_gpu")
+    workers = slots if jobs == "auto" else int(jobs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return Launcher(workers, threads_per_run or max(1, cores // workers), groups, runs_per_gpu, gpus_per_run,
+                    executor)
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop signal reached the sweep: it stops as Ctrl-C stops it, with the signal's exit code (128 + signum)."""
 
@@ -584,24 +625,16 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def code_version(where: str = os.path.dirname(TRAIN)) -> str | None:
-    """The commit of the checkout at `where`, with "+dirty" when tracked files differ from it: run.json records it
-    so that a result can be traced to the code that made it. None outside a git checkout."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, check=True).stdout.strip()
+def launch(job: dict, threads: int, launcher: Launcher | None = None,
+           devices: contextlib.AbstractContextManager | None = None) -> dict:
+    """Run one job to its end (with OMP_NUM_THREADS=threads; on a slot of `devices`, the GPUs it gets, started as
+    `launcher` says: default python train.py): output to out_dir/train.log; exit code, wall time (summed over
+    resumptions), the run's resolved settings, its GPUs and launcher and the code's commit to out_dir/run.json. A
+    sweep stopping starts no run (Interrupted). An OSError launching it or writing its run.json is returned as its
+    "error", and no run starts after it ({"not_started": True})."""
     try:
-        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def launch(job: dict, threads: int) -> dict:
-    """Run one job to its end: output to out_dir/train.log; exit code, wall time (summed over resumptions),
-    the run's resolved settings and the code's commit to out_dir/run.json. A sweep stopping starts no run
-    (Interrupted). An OSError launching it or writing its run.json is returned as its "error", and no run starts
-    after it ({"not_started": True})."""
-    try:
-        info = run_to_end(job, threads)
+        with devices or contextlib.nullcontext() as gpus:
+            info = run_to_end(job, launcher or Launcher(1, threads), gpus)
     except NotStarted:
         return {"not_started": True}
     except OSError as e:
@@ -620,22 +653,35 @@ def error_text(e: OSError) -> str:
     return f"{e.strerror or e}: {e.filename}" if e.filename else str(e.strerror or e)
 
 
-def run_to_end(job: dict, threads: int) -> dict:
-    """Start one job's train.py and wait for it; what its run.json records."""
+def run_to_end(job: dict, launcher: Launcher, gpus: tuple[int, ...] | None) -> dict:
+    """Start one job's train.py (on `gpus`, through launcher's command) and wait for it; what its run.json records."""
     CHILDREN.check_running()
     os.makedirs(job["out_dir"], exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    say(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else ""))
+    env = {**os.environ, **run_environment(launcher, gpus)}
+    say(f"start {job['out_dir']}" + (" (resume)" if job["state"] == "resume" else "") + placed_on(gpus))
     before = read_run_info(job["out_dir"]).get("wall_s", 0.0) if job["state"] == "resume" else 0.0
     start = time.perf_counter()
     with open(os.path.join(job["out_dir"], "train.log"), "a" if job["state"] == "resume" else "w") as log:
-        process = CHILDREN.start([sys.executable, TRAIN, *job["argv"]], stdout=log, stderr=subprocess.STDOUT,
-                                 env=env)
+        process = CHILDREN.start(launcher.command(TRAIN, job["argv"]), stdout=log, stderr=subprocess.STDOUT, env=env)
         code = CHILDREN.wait(process)
-    info = {"point": job["point"], "argv": job["argv"], "exit_code": code,
-            "wall_s": before + time.perf_counter() - start, "threads": threads, "settings": job["settings"],
-            "commit": code_version()}  # the commit of the launch that finished it, when a run resumed
-    return info
+    return {**run_record(job, launcher, gpus), "exit_code": code, "wall_s": before + time.perf_counter() - start}
+
+
+def run_environment(launcher: Launcher, gpus: tuple[int, ...] | None) -> dict[str, str]:
+    """What a run's environment adds: its threads, unbuffered output, and its GPUs (CUDA_VISIBLE_DEVICES)."""
+    threads = {"OMP_NUM_THREADS": str(launcher.threads)} if launcher.threads else {}  # 0: the node's (SLURM)
+    return {**threads, "PYTHONUNBUFFERED": "1", **device_env(gpus)}
+
+
+def placed_on(gpus: tuple[int, ...] | None) -> str:
+    return f" on {device_text(gpus)}" if gpus else ""
+
+
+def run_record(job: dict, launcher: Launcher, gpus: tuple[int, ...] | None) -> dict:
+    """What run.json records of a run beside its exit code and wall time: the commit is the launch's that finished
+    it, when a run resumed; gpus are the CUDA devices it was given (null: it saw the machine's)."""
+    return {"point": job["point"], "argv": job["argv"], "threads": launcher.threads, "settings": job["settings"],
+            "gpus": list(gpus) if gpus else None, "launcher": launcher.launcher_text(), "commit": code_version()}
 
 
 def read_json(path: str) -> dict:
@@ -760,18 +806,24 @@ def busy_runs(jobs: list[dict]) -> list[str]:
     return busy
 
 
-def execute(pending: list[dict], workers: int, threads: int) -> None:
-    """Run the jobs, `workers` at a time, printing each outcome as it comes. A run folder in use by another
-    process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run that
-    cannot be launched or recorded (an OSError) is reported in its line, nothing starts after it, and LaunchFailed
-    is raised once the running runs have ended."""
+def execute(pending: list[dict], workers: int, threads: int, launcher: Launcher | None = None,
+            out_root: str = "out/sweep") -> None:
+    """Run the jobs, `workers` at a time (each on a free slot of launcher's GPUs, if it has any), printing each
+    outcome as it comes; through submitit when launcher.executor says so (execute_jobs). A run folder in use by
+    another process stops the sweep (SweepError) before any job starts; a stop signal starts nothing more. A run
+    that cannot be launched or recorded (an OSError) is reported in its line, nothing starts after it, and
+    LaunchFailed is raised once the running runs have ended."""
+    if launcher is not None and launcher.executor != "process":
+        return execute_jobs(pending, launcher, out_root)
     if busy := busy_runs(pending):
         raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
                          "wait for it to end or stop it, then run the same command again. Nothing was started")
     CHILDREN.reset()
     failures, left, done = [], set(), 0
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(launch, job, threads): job for job in pending}
+    devices = launcher.pool() if launcher else None
+    with ThreadPoolExecutor(workers) as pool:  # on GPUs, each run takes a slot; on the CPU, launch(job, threads)
+        futures = {pool.submit(launch, job, threads, *((launcher, devices.slot()) if devices else ())): job
+                   for job in pending}
         try:
             for future in as_completed(futures):
                 job, info = futures[future], future.result()
@@ -792,6 +844,33 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
         raise LaunchFailed(failures, left)
 
 
+def execute_jobs(pending: list[dict], launcher: Launcher, out_root: str) -> None:
+    """execute() through submitit (nanonorm.launch.run_jobs): each run a job, its run.json written by the job; a run
+    whose earlier SLURM job still holds it is waited for, one whose job ended before it did resumes in a new one."""
+    if busy := busy_runs([job for job in pending if not os.path.exists(os.path.join(job["out_dir"], "job.json"))
+                          or launcher.executor == "local"]):
+        raise SweepError(f"{', '.join(busy)}: in use by another process (its id is in the folder's {LOCK_NAME}); "
+                         "wait for it to end or stop it, then run the same command again. Nothing was started")
+    CHILDREN.reset()
+    done = 0
+
+    def make_job(job: dict, gpus: tuple[int, ...] | None) -> TrainJob:
+        return TrainJob(launcher.prefix(TRAIN), job["argv"], job["out_dir"], run_environment(launcher, gpus),
+                        run_record(job, launcher, gpus))
+
+    def report(job: dict, info: dict) -> None:
+        nonlocal done
+        done += 1
+        say(f"[{done}/{len(pending)}] {run_name(job['point'])}: {outcome_text(job, info)}")
+
+    def finished(job: dict) -> bool:
+        return run_state(job["out_dir"], job["settings"]["max_iters"]) == "finished"
+
+    run_jobs(pending, launcher, out_root, make_job, finished, report, lambda: CHILDREN.stopping is not None)
+    if CHILDREN.stopping is not None:
+        raise Interrupted(CHILDREN.stopping)
+
+
 def outcome_text(job: dict, info: dict) -> str:
     """How a run ended, as its line after it says: its outcome and time, or why it failed to launch or record."""
     if "error" in info and "exit_code" not in info:
@@ -810,19 +889,18 @@ def summarize_jobs(jobs: list[dict], extra: list[str] | None = None) -> list[dic
 def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None = None, fixed: dict | None = None,
               out_root: str = "out/sweep", jobs: str | int = "auto", threads_per_run: int | None = None,
               rerun: bool = False, baseline: dict | None = None, dry_run: bool = False,
-              extra: list[str] | None = None, metric: str = "val_loss") -> list[dict]:
-    """Run what is not finished, then print and write the summary (the mean ± std of `metric`); returns
-    summarize()'s rows."""
+              extra: list[str] | None = None, metric: str = "val_loss", launcher: Launcher | None = None) -> list[dict]:
+    """Run what is not finished (as `launcher` places the runs; default: on this machine's cores, by jobs and
+    threads_per_run), then print and write the summary (the mean ± std of `metric`); returns summarize()'s rows."""
     todo = plan_runs(config, grid, seeds, fixed, out_root, rerun)
-    workers, threads = parallelism(jobs, threads_per_run)
+    launcher = launcher or cpu_launcher(jobs, threads_per_run)
     pending = [job for job in todo if job["state"] != "finished"]
-    print(f"{len(todo)} runs, {len(pending)} to run, {workers} at a time with OMP_NUM_THREADS={threads}")
+    print(f"{len(todo)} runs, {len(pending)} to run, {launcher.describe()}")
     for job in todo:
         if job["state"] == "finished":
             print(f"skip {job['out_dir']}: finished (--rerun runs it again)")
-        elif dry_run:
-            print(shlex.join(["python", "train.py", *job["argv"]]))
     if dry_run:
+        print("\n".join(launcher.dry_run_lines("train.py", [job["argv"] for job in pending])))
         return []
     data = data_fingerprints(todo)
 
@@ -836,7 +914,7 @@ def run_sweep(config: str | None, grid: dict[str, list], seeds: list[int] | None
         return rows
 
     try:
-        execute(pending, workers, threads)
+        execute(pending, launcher.workers, launcher.threads, launcher, out_root)
     except LaunchFailed as e:
         finish(e.kept(todo), e.note)
         raise
@@ -1205,7 +1283,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
                  baseline: dict | None = None, claims: list | None = None, dry_run: bool = False,
                  extra: list[str] | None = None, select_seeds: list[int] | None = None,
-                 metric: str = "val_loss") -> list[dict]:
+                 metric: str = "val_loss", launcher: Launcher | None = None) -> list[dict]:
     """Each grid point at its own best learning rate, judged on seeds that did not pick it: every rate
     runs on the selection seeds (`select_seeds`; default: one seed not in `seeds`, default_select_seed), the best
     is kept (lowest mean final val loss over them; a diverged run ranks its rate last), and the held-out `seeds`
@@ -1219,18 +1297,16 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     select = select_seeds or [default_select_seed(seeds)]
     check_held_out(select, seeds)
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
-    workers, threads = parallelism(jobs, threads_per_run)
+    launcher = launcher or cpu_launcher(jobs, threads_per_run)
     if len(lr_values) < MIN_RATES and baseline:
         print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
     check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
     first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     pending = [job for job in first if job["state"] != "finished"]
     print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
-          f"{workers} at a time with OMP_NUM_THREADS={threads}; then held-out seeds {seeds} at each point's "
-          "best rate")
+          f"{launcher.describe()}; then held-out seeds {seeds} at each point's best rate")
     if dry_run:
-        for job in pending:
-            print(shlex.join(["python", "train.py", *job["argv"]]))
+        print("\n".join(launcher.dry_run_lines("train.py", [job["argv"] for job in pending])))
         return []
     data = data_fingerprints(first)
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
@@ -1258,12 +1334,13 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
 
     rest: list[dict] = []
     try:
-        execute(pending, workers, threads)
+        execute(pending, launcher.workers, launcher.threads, launcher, out_root)
         check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
         rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
                 for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
                                      fixed, out_root, rerun, (lr_key, ratios))]
-        execute([job for job in rest if job["state"] != "finished"], workers, threads)
+        execute([job for job in rest if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
+                out_root)
     except LaunchFailed as e:
         finish(e.kept(first), e.kept(rest), e.note)
         raise
@@ -1758,6 +1835,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", choices=METRICS, default="val_loss",
                         help="the final value each rate pick, mean and verdict is made on: val_loss (nats per token) "
                         "or val_bpb (bits per byte of the val text, comparable across tokenizers; LM runs)")
+    parser.add_argument("--gpus", metavar="IDS|all", help="this node's CUDA devices for the runs, e.g. 0,1,2,3, or "
+                        "all (every visible one): each run gets its own through CUDA_VISIBLE_DEVICES (default: none "
+                        "set, every run sees what the sweep sees)")
+    parser.add_argument("--runs_per_gpu", type=int, default=1, metavar="K",
+                        help="runs at a time on each GPU (or group of --gpus_per_run GPUs): small models share one")
+    parser.add_argument("--gpus_per_run", type=int, default=1, metavar="N",
+                        help="GPUs of each run: N > 1 launches it by torchrun --standalone --nproc_per_node=N")
+    parser.add_argument("--executor", choices=EXECUTORS, default="process",
+                        help="process: each run a child of the sweep; local: the same through submitit's local "
+                        "executor; slurm: each run a SLURM job (submitit). The same command continues a sweep")
+    parser.add_argument("--slurm_partition", help="--executor slurm: the partition of the jobs")
+    parser.add_argument("--slurm_time", type=int, default=24 * 60, metavar="MINUTES",
+                        help="--executor slurm: each job's time limit; a run past it saves and is resubmitted to "
+                        "resume (default: 1440)")
+    parser.add_argument("--slurm_gpus_per_job", type=int, metavar="N",
+                        help="--executor slurm: GPUs per job (default: --gpus_per_run; 0 for CPU jobs)")
+    parser.add_argument("--slurm_extra", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="--executor slurm: more sbatch options, e.g. account=proj qos=high constraint=h100")
+    parser.add_argument("--wandb_group", metavar="NAME", help="with --set wandb_project=...: the wandb group of the "
+                        "runs (default: the name of --out_root)")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -1773,6 +1870,48 @@ def parse_claims(args: argparse.Namespace) -> list[tuple[dict, str | None, float
         raise SweepError("--claim, --delta and --row_claim state what is claimed against --baseline; give "
                          "--baseline key=value")
     return [({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]
+
+
+def make_launcher(args: argparse.Namespace, dry_run: bool) -> Launcher:
+    """Where and how the runs go, from --jobs, --threads_per_run, --gpus, --runs_per_gpu, --gpus_per_run,
+    --executor and the --slurm_* options. A dry run takes any --gpus ids (it starts nothing)."""
+    for flag, value in (("--runs_per_gpu", args.runs_per_gpu), ("--gpus_per_run", args.gpus_per_run)):
+        if value < 1:
+            raise SweepError(f"{flag} {value}: give a whole number of at least 1")
+    slurm_given = args.slurm_partition or args.slurm_gpus_per_job is not None or args.slurm_extra
+    if slurm_given and args.executor != "slurm":
+        raise SweepError("--slurm_partition, --slurm_gpus_per_job and --slurm_extra are options of SLURM jobs; give "
+                         "--executor slurm too")
+    if args.executor == "slurm":
+        if args.gpus or args.runs_per_gpu != 1:
+            raise SweepError("--gpus and --runs_per_gpu place runs on this node's GPUs; on SLURM each job gets "
+                             "--slurm_gpus_per_job GPUs of its own")
+        gpus = args.gpus_per_run if args.slurm_gpus_per_job is None else args.slurm_gpus_per_job
+        slurm = slurm_parameters(args.slurm_partition, args.slurm_time, gpus, args.threads_per_run, args.slurm_extra)
+        return Launcher(1, args.threads_per_run or 0, gpus_per_run=args.gpus_per_run, executor="slurm", slurm=slurm)
+    if args.gpus is None:
+        if args.runs_per_gpu != 1 or args.gpus_per_run != 1:
+            raise SweepError("--runs_per_gpu and --gpus_per_run place runs on GPUs; give --gpus 0,1,... or all")
+        return cpu_launcher(args.jobs, args.threads_per_run, args.executor)
+    visible = torch.cuda.device_count()
+    gpus = parse_gpus(args.gpus, visible)
+    if not dry_run and max(gpus) >= visible:
+        raise SweepError(f"--gpus {args.gpus}: this machine has {visible} visible CUDA device(s), numbered from 0; "
+                         "give ids below that, or all")
+    return gpu_launcher(gpus, args.runs_per_gpu, args.gpus_per_run, args.jobs, args.threads_per_run, args.executor)
+
+
+def with_wandb_group(config: str, fixed: dict, group: str | None, out_root: str) -> dict:
+    """The --set settings, with every run's wandb group (--wandb_group, default out_root's name) when the runs log
+    to wandb (wandb_project set by the config or --set) and no --set names the group."""
+    project = fixed.get("wandb_project", explicit_settings([config]).get("wandb_project"))
+    if not project:
+        if group:
+            raise SweepError("--wandb_group groups the runs in wandb; give --set wandb_project=NAME too (or a config "
+                             "that sets it)")
+        return fixed
+    return fixed if "wandb_group" in fixed else {**fixed, "wandb_group": group or os.path.basename(
+        os.path.normpath(out_root))}
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -1840,16 +1979,18 @@ def run_command(args: argparse.Namespace) -> int:
             if not all(is_positive_number(v) for v in args.lr_grid.split(",")):
                 raise SweepError(f"--lr_grid {args.lr_grid!r}: give positive numbers separated by commas")
             lr_values = distinct_values(args.lr_grid, "--lr_grid")
+        launcher = make_launcher(args, args.dry_run)
+        fixed = with_wandb_group(args.config, fixed, args.wandb_group, out_root)
         # one sweep at a time writes an out_root: its runs' logs and run.json files, its summary
         with contextlib.nullcontext() if args.dry_run else OutDirLock(out_root, "--out_root", "sweep"):
             if lr_values:
                 table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
                                      args.threads_per_run, args.rerun, baseline or None, claims, args.dry_run,
-                                     extra, select, args.metric)
+                                     extra, select, args.metric, launcher)
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
-                             baseline or None, args.dry_run, extra, args.metric)
-    except (SweepError, ConfigError, RunFileError) as e:
+                             baseline or None, args.dry_run, extra, args.metric, launcher)
+    except (SweepError, ConfigError, RunFileError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LaunchFailed as e:

@@ -170,10 +170,9 @@ def run(cfg: TrainConfig, model_args: dict, ddp: Dist, device: str, stop: StopSi
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     if checkpoint is not None and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
-    compiled = cfg.compile if cfg.compile is not None else device_type == "cuda"
-    wrapped = wrap_model(model, ddp, device_type, compiled)
+    wrapped = wrap_model(model, ddp, device_type, cfg.compile if cfg.compile is not None else device_type == "cuda")
     iter_num = checkpoint["iter_num"] if checkpoint else 0
-    log = resume.open_log(cfg, ddp, device, checkpoint, reevaluates=evaluates_at(cfg, iter_num))
+    log = resume.open_log(cfg, ddp, device, checkpoint, evaluates_at(cfg, iter_num), asdict(gptconf))
     tokens_per_iter = task.tokens_per_batch * cfg.gradient_accumulation_steps
     flops_per_iter = model.flops_per_token(task.tokens_per_batch // cfg.batch_size) * tokens_per_iter
     # MFU's denominator, for rank 0's train lines: the other ranks do not log it, and on a CPU measuring takes a second
@@ -332,6 +331,7 @@ def checkpoint_state(s: LoopState, evaluated: bool = True) -> dict:
 def train(argv: list[str]) -> int:
     """Run the training that `argv` (a config file and --key=value flags) asks for; its exit code."""
     cfg, model_args = load_config(argv)
+    train_config.use_deterministic(cfg)  # before CUDA starts
     resume.checkpoint_to_load(cfg)  # before out_dir is claimed: a mistyped out_dir is not created
     guards.reuse_freed_memory()
     ddp, device = guards.setup_distributed(cfg)

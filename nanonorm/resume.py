@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from nanonorm.run_files import (
     METRICS_NAME,
     NO_SPACE,
     MetricsLog,
+    WandbRun,
     foreign_checkpoint,
     foreign_files,
     load_checkpoint,
@@ -246,18 +247,24 @@ def resume_summary(cfg: TrainConfig, checkpoint: dict, log: MetricsLog) -> str:
             + (f"; changed: {', '.join(changed)}" if changed else "") + (f"\n{log.moved}" if log.moved else ""))
 
 
-def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool) -> MetricsLog:
+def open_log(cfg: TrainConfig, ddp: Dist, device: str, checkpoint: dict | None, reevaluates: bool,
+             model_config: dict | None = None) -> MetricsLog:
     """metrics.jsonl. A new run deletes the earlier run's files only now, with everything
     ready; a resumed run continues the log from its checkpoint (reevaluates: its eval line is written again) and
-    moves the kept checkpoints past it aside (set_branch_aside)."""
+    moves the kept checkpoints past it aside (set_branch_aside). With wandb_project, rank 0 also logs its lines,
+    the config (`model_config` and cfg) and the commit to wandb."""
     if ddp.master and checkpoint is None:
         removed = remove_previous_run(cfg.out_dir)
         if removed:
             print(f"overwrite: deleted the earlier run's {', '.join(removed)} from {cfg.out_dir}")
-    return agreed(lambda: set_branch_aside(cfg, ddp, checkpoint, MetricsLog(
+    log = agreed(lambda: set_branch_aside(cfg, ddp, checkpoint, MetricsLog(
         cfg.out_dir, ddp.master and cfg.init_from != "eval", checkpoint["iter_num"] if checkpoint else None,
         reevaluates=reevaluates, logged_lines=checkpoint.get("metrics_lines") if checkpoint else None)),
-                  device, f"continue {METRICS_NAME}")
+                 device, f"continue {METRICS_NAME}")
+    if cfg.wandb_project and log.enabled:
+        log.mirror = WandbRun(cfg.out_dir, cfg.wandb_project, cfg.wandb_group,
+                              {**(model_config or {}), **asdict(cfg)}, resumed=checkpoint is not None)
+    return log
 
 
 def set_branch_aside(cfg: TrainConfig, ddp: Dist, checkpoint: dict | None, log: MetricsLog) -> MetricsLog:

@@ -27,8 +27,9 @@ import math
 import os
 import pickle
 import re
+import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import torch
@@ -494,6 +495,7 @@ class MetricsLog:
         self.lines, self.moved = 0, None  # moved: what a resumed run moved aside, in words
         if enabled:
             check_out_dir_is_ours(out_dir)
+        self.mirror: Callable[[dict], None] | None = None  # also gets every line written (WandbRun)
         if enabled and resume_iter and not os.path.lexists(self.path):
             raise ConfigError(f"{self.path} is missing, so the resumed run's log would start at iter {resume_iter} "
                               f"without its history; restore it, or create an empty one (touch {self.path}) to go "
@@ -557,3 +559,40 @@ class MetricsLog:
         with _writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=False) + "\n")
         self.lines += 1
+        if self.mirror is not None:
+            self.mirror(record)
+
+
+# ----------------------------------------------------------------------------- the code and wandb
+
+
+def code_version(where: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str | None:
+    """The commit of the checkout at `where` (default: this code's), with "+dirty" when tracked files differ from
+    it: run.json and wandb record it so that a result can be traced to the code that made it. None outside a git
+    checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+class WandbRun:
+    """The train and eval lines of metrics.jsonl (the same dicts), logged to a wandb run too: a live view of a run
+    (wandb_project; rank 0 only). Its files go to out_dir/wandb; WANDB_MODE=offline writes them without a network
+    (`wandb sync` uploads them later). The wandb config is the run's settings and its commit; a resumed run goes on
+    in the wandb run its first start opened (the id in out_dir/wandb/latest-run). wandb is imported only here."""
+
+    def __init__(self, out_dir: str, project: str, group: str, config: dict, resumed: bool):
+        import wandb
+
+        latest = os.path.join(out_dir, "wandb", "latest-run")
+        run_id = os.readlink(latest).rsplit("-", 1)[-1] if resumed and os.path.islink(latest) else None
+        self.run = wandb.init(project=project, group=group or None, name=os.path.basename(os.path.normpath(out_dir)),
+                              dir=out_dir, id=run_id, resume="allow" if run_id else None,
+                              config=strict_json({**config, "commit": code_version()}))
+
+    def __call__(self, record: dict) -> None:
+        if record.get("kind") in ("train", "eval"):
+            self.run.log(record)

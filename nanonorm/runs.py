@@ -11,7 +11,8 @@ import os
 from dataclasses import asdict
 
 # bookkeeping keys that differ between runs without changing what is trained
-IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name")
+IGNORED_FLAGS = ("out_dir", "data_dir", "init_from", "overwrite", "wandb_run_name", "wandb_project", "wandb_group",
+                 "deterministic")  # where and how a run logs and runs, not what it trains
 # model keys train.py fills in from the data or the task when no flag sets them
 TASK_MODEL_KEYS = ("vocab_size", "block_size", "in_features", "out_features", "embed_fan_in")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import importlib.util
 import inspect
 import math
 import os
@@ -38,6 +39,8 @@ class TrainConfig:
     overwrite: bool = False  # let a new run delete an earlier run's checkpoints and metrics in out_dir
     keep_every: int = 0  # also keep ckpt_<iter>.pt every this many iterations (0: none)
     sample_tokens: int = 0  # print this many tokens sampled from the final model (task lm)
+    wandb_project: str = ""  # also log every train and eval line, the config and the commit to this wandb project
+    wandb_group: str = ""  # the wandb group of the run (sweep.py gives its runs the sweep's out_root name)
     log_diagnostics: bool = False  # eval lines: gradients, sink mass, stream peak and kurtosis; at the end skip losses
     # data
     task: str = "lm"  # "lm": next-token prediction; "icl": Bir et al.'s in-context least squares (icl_task.py)
@@ -74,6 +77,7 @@ class TrainConfig:
     dtype: str = "auto"  # float32, bfloat16, float16, or auto: bf16 (fp16 on old GPUs) on CUDA, float32 else
     compile: bool | None = None  # torch.compile the model; None: on CUDA only (a CPU compile takes minutes)
     seed: int = 1337  # the init, and every batch and dropout mask (a pure function of seed and iteration)
+    deterministic: bool = False  # deterministic kernels (use_deterministic_algorithms; cuBLAS workspace, no benchmark)
     dist_timeout: float = 1800.0  # seconds a rank waits for the others (torchrun) before it stops with a message
 
 
@@ -142,6 +146,7 @@ TAKES_EFFECT: dict[str, tuple[Callable[[TrainConfig, GPTConfig], bool], str]] = 
     "compact_vocab": (lambda t, m: t.task == "lm", "task='lm'"),
     "sample_tokens": (lambda t, m: t.task == "lm", "task='lm'"),
     "icl_pairs": (lambda t, m: t.task == "icl", "task='icl'"),
+    "wandb_group": (lambda t, m: bool(t.wandb_project), "wandb_project set"),
     "norm": (lambda t, m: places_norm(m), "a scheme with input, pre, mid, post or final norms"),
     "norm_eps": (lambda t, m: places_norm(m) and m.norm not in ELEMENTWISE_NORMS or normalizes_heads(m),
                  "LayerNorm, RMSNorm or head-wise norms, or q/k/v norms"),
@@ -342,12 +347,27 @@ def check_train_config(cfg: TrainConfig) -> None:
     if not 0 < cfg.dist_timeout <= MAX_TIMEOUT_S:
         raise ConfigError(f"dist_timeout={cfg.dist_timeout} must be a positive number of seconds, at most "
                           f"{MAX_TIMEOUT_S:.0e} (about 31 years)")
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:  # optional: imported only when asked for
+        raise ConfigError(f"wandb_project={cfg.wandb_project!r}, but wandb is not installed: pip install wandb "
+                          "(or leave wandb_project unset; metrics.jsonl holds every line anyway)")
     check_device(cfg.device)
 
 
 # the process group's timeout: a timedelta (at most 999999999 days), which torch's C++ side counts in 64-bit
 # milli- and nanoseconds (292 years of them); 1e9 s, about 31 years, stays inside all of them
 MAX_TIMEOUT_S = 1e9
+
+
+def use_deterministic(cfg: TrainConfig) -> None:
+    """deterministic=True: the same kernels and so the same bits on every run of the same command (a resume
+    then matches an uninterrupted run bitwise on a GPU too): torch.use_deterministic_algorithms, which needs
+    cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when CUDA starts, so this runs first), and no cuDNN
+    autotuning. A CUBLAS_WORKSPACE_CONFIG already set (:16:8 also works) is kept."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def check_device(device: str) -> None:

@@ -115,6 +115,25 @@ def test_gpu_report_without_cuda_exits_2(monkeypatch, capsys, tmp_path):
     assert "torchrun" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("budget", [540, 300, 900])
+def test_gpu_report_parts_fit_the_budget(budget, capsys):
+    """The phases run one after another: the limit of phase 1 (its parts side by side), 2 and 3 and the report's
+    own start add up to the budget at most, and every part gets time; the dry run prints each part's estimate and
+    limit. The resume check runs with deterministic kernels (a GPU resume can then be bitwise)."""
+    import gpu_report
+
+    limits = gpu_report.part_limits(budget)
+    phase_limits = {phase: max(limits[part] for part, p, _ in gpu_report.PARTS if p == phase) for phase in (1, 2, 3)}
+    assert sum(phase_limits.values()) + gpu_report.STARTUP_S <= budget + 1e-9  # 1e-9: the float sum of the shares
+    assert all(limit > 0 for limit in limits.values()) and len(limits) == 5
+    assert gpu_report.main(["--budget", str(budget), "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    for part, phase, estimate in gpu_report.PARTS:
+        assert f"{phase}. {part}" in out and f"~{estimate} s, limit {limits[part]:.0f} s" in out
+    estimated = sum(gpu_report.phase_estimates().values()) + gpu_report.STARTUP_S
+    assert ("within the budget" in out) == (estimated <= budget) and "--deterministic=True" in out
+
+
 # ----------------------------------------------------------------------------- on a CUDA GPU
 
 

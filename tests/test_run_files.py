@@ -4,15 +4,17 @@ and metrics.jsonl is strict JSON with no checkpoint ever written from a state th
 
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import tiny_run_args
+from conftest import ROOT, tiny_run_args
 
 import train
 from nanonorm import guards, resume, run_files
@@ -314,3 +316,68 @@ def test_a_late_refusal_leaves_no_folder_it_created(monkeypatch, capsys, data_di
         code, _, err = main(monkeypatch, capsys, tiny_run_args(data_dir, str(out), batch_size=10**12))
         assert code == 2 and "batch_size=1000000000000 needs at least" in err, err
         assert out.exists() == existed and (not existed or os.listdir(out) == [".lock"])
+
+
+# ----------------------------------------------------------------------------- wandb, optional
+
+
+def wandb_records(path: str) -> list:
+    """The records of a wandb run file (run-<id>.wandb: a 7-byte header, then LevelDB's log format, blocks of
+    32 KiB, each record's chunks behind a 7-byte header of checksum, length and type), as wandb's protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    block, pos, chunks, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or its last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def test_wandb_logs_every_line_the_config_and_the_commit_offline(data_dir, tmp_path):
+    """train.py with --wandb_project in offline mode (no network): every train and eval line of metrics.jsonl is
+    in the wandb run's history with the same values, the config holds the run's settings and its commit, and the
+    group is the one given."""
+    pytest.importorskip("wandb")
+    out = str(tmp_path / "run")
+    args = tiny_run_args(data_dir, out, max_iters=4, eval_interval=2, wandb_project="nanonorm-test",
+                         wandb_group="sweep-a")
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [r for r in map(json.loads, f) if r["kind"] in ("train", "eval")]
+    files = glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(files) == 1, os.listdir(out)
+    records = wandb_records(files[0])
+    history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    logged = [{k: v for k, v in h.items() if not k.startswith("_")} for h in history]
+    assert logged == lines  # the same dicts, in order (JSON floats: exact)
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    config = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in run.config.update}
+    assert run.project == "nanonorm-test" and run.run_group == "sweep-a"
+    assert config["n_layer"] == 2 and config["max_iters"] == 4 and config["commit"] == run_files.code_version()
+
+
+def test_wandb_without_the_package_exits_2_saying_how_to_install_it(monkeypatch, capsys, tmp_path):
+    """wandb is optional: asked for without it installed, the run stops before anything runs."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    code, _, err = main(monkeypatch, capsys, [f"--out_dir={tmp_path / 'run'}", "--wandb_project=p"])
+    assert code == 2 and "pip install wandb" in err and err.count("\n") == 1
+    assert not os.path.exists(tmp_path / "run")

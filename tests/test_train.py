@@ -293,3 +293,19 @@ def test_data_prepared_before_meta_recorded_bytes_counts_them_from_its_tokens(bp
                                 True).tokens_per_byte
     assert lm_task.TextData(settings, 32, "cpu", True).tokens_per_byte == recorded
     assert (old / "meta.json").read_bytes() == before
+
+
+def test_deterministic_run_sets_the_deterministic_kernels(data_dir, tmp_path, monkeypatch):
+    """--deterministic=True: torch.use_deterministic_algorithms on, cuBLAS's fixed workspace in the environment
+    before CUDA starts (a GPU resume is then bitwise), cuDNN's autotuning off; the default leaves them alone."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        assert train.train(tiny_run_args(data_dir, str(tmp_path / "plain"), max_iters=2)) == 0
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        assert train.train(tiny_run_args(data_dir, str(tmp_path / "run"), max_iters=2, deterministic=True)) == 0
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
+    finally:
+        torch.use_deterministic_algorithms(before)
