@@ -199,33 +199,7 @@ def check_config(c: GPTConfig) -> None:
     if c.hypersphere and (c.vector_mode or c.gain_cap is not None or c.embed_proj):
         raise ValueError("combine='nlerp' (nGPT) keeps unit-norm embeddings looked up by id and unit-norm matrices: "
                          "it takes neither vector inputs (in_features) nor gain_cap nor embed_proj")
-    check_stream_columns(c.scheme, c.hypersphere)
-
-
-def check_stream_columns(s: Scheme, hypersphere: bool) -> None:
-    """The columns taken from other codebases (nanonorm/columns.py): their values and the rows they fit."""
-    for key, bad, need in [(k, getattr(s, k) is not None and not getattr(s, k) > 0, "positive, or None (off)")
-                           for k in ("logit_softcap", "attn_softcap", "qk_clip")] + [
-            ("z_loss", not 0 <= s.z_loss < math.inf, "a finite weight >= 0 (0: off)"),
-            ("residual_streams", s.residual_streams < 1, ">= 1 (1: one stream, off)")]:
-        if bad:
-            raise ValueError(f"{key}={getattr(s, key)} must be {need}")
-    hyper_on = s.hyper_connections != "none"
-    if s.residual_streams > 1 and not hyper_on:
-        raise ValueError(f"residual_streams={s.residual_streams} needs hyper_connections (static, dynamic or mhc)")
-    if hyper_on and (s.combine != "add" or s.normalizes("post", "post_attn") or s.first_blocks == "post"):
-        raise ValueError("hyper_connections replace the residual add: give them a row with combine='add' and no post "
-                         "norm (as pre, peri, sandwich, dnt, lns)")
-    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv", "k"):
-        raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
-    if s.combine == "attn_res" and (s.normalizes("post", "post_attn") or s.first_blocks == "post" or s.x0_mix):
-        raise ValueError("combine='attn_res' reads every earlier update's output in place of the stream: give it a row "
-                         "with no post norm (as pre, peri, sandwich, dnt, lns) and no x0_mix")
-    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix or s.attn_sink
-                        or s.attn_gate != "none" or s.normalizes("k", "v")):
-        raise ValueError("combine='nlerp' (nGPT) keeps its stream and attention on the sphere: it takes none of "
-                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix, attn_gate, attn_sink and "
-                         "the norms k, v")
+    columns.check_columns(c.scheme, c.hypersphere)
 
 
 # ----------------------------------------------------------------------------- norm types
@@ -1025,15 +999,10 @@ class GPT(nn.Module):
             x = self.embed_radius * F.normalize(x, dim=-1)
         return x
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (B, T) -> logits (B, T, vocab) and the cross-entropy loss if targets are given.
-
-        Vector mode: floats (B, T, in_features) -> (B, T, out_features); the task computes its
-        own loss, so the second element is None. Without targets, a token model returns only
-        the last position's logits (all that sampling needs).
-        """
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, T) -> logits (B, T, vocab) and, given targets, the loss; without targets only the last
+        position's logits (all sampling needs). Vector mode: floats (B, T, in) -> (B, T, out), no loss."""
         x = self.embed(idx) if self.streams is None else columns.expand(self.embed(idx), self.streams)
         ctx = {"x0": x}  # shared by the blocks: the x0 mix's x0, the value residual's v1
         for block in self.blocks:
@@ -1059,10 +1028,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def compile_regions(self, **options) -> None:
-        """Regional compilation: torch.compile each block and the head in place (the embedding stays eager). Dynamo
-        compiles Block.forward once and every block of the same structure reuses it (per-block constants are
-        buffers, which it does not guard on), where compiling the whole model unrolls all L blocks into one graph
-        and compiles each of them."""
+        """torch.compile each block and the head in place: blocks of one structure reuse one compiled Block.forward
+        (their constants are buffers, which dynamo does not guard on), where the whole model compiles all L."""
         for block in self.blocks:
             block.compile(**options)
         self.head = torch.compile(self.head, **options)  # the instance's attribute, in place of the method

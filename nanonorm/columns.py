@@ -304,3 +304,32 @@ class HyperConnection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, n={self.n}"
+
+
+# ----------------------------------------------------------------------------- which rows each column fits
+
+
+def check_columns(s, hypersphere: bool) -> None:
+    """The values of these columns in a scheme `s` (model.Scheme) and the rows they fit; hypersphere: nGPT's."""
+    for key, bad, need in [(k, getattr(s, k) is not None and not getattr(s, k) > 0, "positive, or None (off)")
+                           for k in ("logit_softcap", "attn_softcap", "qk_clip")] + [
+            ("z_loss", not 0 <= s.z_loss < math.inf, "a finite weight >= 0 (0: off)"),
+            ("residual_streams", s.residual_streams < 1, ">= 1 (1: one stream, off)")]:
+        if bad:
+            raise ValueError(f"{key}={getattr(s, key)} must be {need}")
+    hyper_on = s.hyper_connections != "none"
+    if s.residual_streams > 1 and not hyper_on:
+        raise ValueError(f"residual_streams={s.residual_streams} needs hyper_connections (static, dynamic or mhc)")
+    if hyper_on and (s.combine != "add" or s.normalizes("post", "post_attn") or s.first_blocks == "post"):
+        raise ValueError("hyper_connections replace the residual add: give them a row with combine='add' and no post "
+                         "norm (as pre, peri, sandwich, dnt, lns)")
+    if s.qk_clip is not None and s.normalizes("qk", "qk_all", "qkv", "k"):
+        raise ValueError("qk_clip rescales W_q and W_k, which a q/k norm undoes: give it a row without qk norms")
+    if s.combine == "attn_res" and (s.normalizes("post", "post_attn") or s.first_blocks == "post" or s.x0_mix):
+        raise ValueError("combine='attn_res' reads every earlier update's output in place of the stream: give it a row "
+                         "with no post norm (as pre, peri, sandwich, dnt, lns) and no x0_mix")
+    if hypersphere and (hyper_on or s.attn_softcap or s.qk_clip or s.value_residual or s.x0_mix or s.attn_sink
+                        or s.attn_gate != "none" or s.normalizes("k", "v")):
+        raise ValueError("combine='nlerp' (nGPT) keeps its stream and attention on the sphere: it takes none of "
+                         "hyper_connections, attn_softcap, qk_clip, value_residual, x0_mix, attn_gate, attn_sink and "
+                         "the norms k, v")

@@ -79,7 +79,7 @@ def recorded_settings(argv: list[str]) -> dict:
     settings, but for where the run writes and how it starts, as JSON stores them."""
     cfg, model_args = train.load_config(argv)
     settings = {**asdict(GPTConfig()), **model_args, **asdict(cfg)}
-    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in ("out_dir", "init_from", "overwrite")}))
+    return json.loads(json.dumps({k: v for k, v in settings.items() if k not in sweep.BOOKKEEPING_KEYS}))
 
 
 def saved_settings(path, argv: list[str]) -> None:
