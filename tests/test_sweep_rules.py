@@ -17,6 +17,7 @@ import plot
 import sweep
 import train
 from model import GPTConfig
+from nanonorm import verdict as rule
 from nanonorm.run_files import OutDirLock
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
@@ -138,7 +139,7 @@ def test_noise_is_inconclusive_with_the_seeds_its_mde_needs():
     se = v["sd"] / math.sqrt(5)
     assert v["mde"] == pytest.approx((2.776 + 0.941) * se, rel=1e-3)  # t(0.975, 4) and t(0.8, 4) from a t table
     n = v["seeds_needed"]  # the fewest seeds per arm whose mde, at this spread, reaches δ
-    assert 5 < n < 100 and sweep.mde(v["sd"] / math.sqrt(n), n - 1) <= 0.05 < sweep.mde(v["sd"] / math.sqrt(n - 1),
+    assert 5 < n < 100 and rule.mde(v["sd"] / math.sqrt(n), n - 1) <= 0.05 < rule.mde(v["sd"] / math.sqrt(n - 1),
                                                                                           n - 2)
     no_delta = sweep.verdict(shifted(NOISE), BASE, "lower", paired=True)  # δ = 0: the seeds to see the observed Δ
     assert no_delta["seeds_needed"] > n and f"about {no_delta['seeds_needed']} seeds" in sweep.verdict_text(no_delta)
@@ -190,9 +191,9 @@ GAIN = [-0.02, -0.05, -0.01, -0.04, -0.005]  # a gain with p between 0.05 / 3 an
 
 
 def test_holm_corrects_within_a_family():
-    assert sweep.holm([0.01, 0.02, 0.03, 0.04]) == [True, False, False, False]  # each < 0.05 alone
-    assert sweep.holm([0.04, 0.01, 0.02]) == [True, True, True]  # Bonferroni (0.05 / 3) would keep only 0.01
-    assert sweep.holm_adjusted([0.01, 0.02, 0.03, 0.04]) == pytest.approx([0.04, 0.06, 0.06, 0.06])
+    assert rule.holm([0.01, 0.02, 0.03, 0.04]) == [True, False, False, False]  # each < 0.05 alone
+    assert rule.holm([0.04, 0.01, 0.02]) == [True, True, True]  # Bonferroni (0.05 / 3) would keep only 0.01
+    assert rule.holm_adjusted([0.01, 0.02, 0.03, 0.04]) == pytest.approx([0.04, 0.06, 0.06, 0.06])
     alone = sweep.verdict(shifted(GAIN), BASE, "lower", paired=True)
     assert alone["verdict"] == "reproduced" and 0.05 / 3 < alone["p_word"] < 0.05
     family = sweep.correct_family([alone, alone, sweep.verdict(shifted(-0.3), BASE, "lower", paired=True), None])

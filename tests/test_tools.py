@@ -22,6 +22,7 @@ import sample
 import sweep
 import train
 from nanonorm import runs
+from nanonorm import verdict as rule
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 
@@ -444,11 +445,11 @@ def test_seed_means_keep_a_diverged_seed_out_of_the_mean_and_name_it(tmp_path, m
 def test_the_interval_uses_students_t_quantiles():
     # paired by seed, five differences: the half-width is t(0.975, 4) = 2.776 (a t table, 4 significant digits,
     # hence the 1e-3 tolerance) times their standard error, around their mean 0.1
-    v = sweep.compare_arms([1.1, 1.0, 1.2, 1.05, 1.15], [1.0] * 5, paired=True)
+    v = rule.compare_arms([1.1, 1.0, 1.2, 1.05, 1.15], [1.0] * 5, paired=True)
     se = statistics.stdev([0.1, 0.0, 0.2, 0.05, 0.15]) / math.sqrt(5)
     assert v["diff"] == pytest.approx(0.1) and v["se"] == pytest.approx(se) and v["df"] == 4
     assert (v["ci"][1] - v["ci"][0]) / 2 == pytest.approx(2.776 * se, rel=1e-3)
-    welch = sweep.compare_arms([1.0, 1.2, 1.1], [2.0, 2.0, 2.0])  # the second arm has no spread: df = 3 - 1
+    welch = rule.compare_arms([1.0, 1.2, 1.1], [2.0, 2.0, 2.0])  # the second arm has no spread: df = 3 - 1
     assert welch["df"] == pytest.approx(2) and welch["ci"][1] - welch["diff"] == pytest.approx(4.303 * welch["se"],
                                                                                               rel=1e-3)
 
