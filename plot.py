@@ -213,13 +213,12 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
 
 
 def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) -> float | None:
-    """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss
-    of a model that ignores the context. None if the dataset is not prepared, or (with `trained_on`, the data
-    fingerprint a sweep recorded) prepared again since from other data, which a note on stdout says."""
-    import numpy as np
-
+    """The unigram loss of a dataset (nanonorm.selection.unigram_loss: the loss of a model that ignores the
+    context). None if the dataset is not prepared, or (with `trained_on`, the data fingerprint a sweep recorded)
+    prepared again since from other data, which a note on stdout says."""
     import prepare_data
     from nanonorm.resume import data_fingerprint, fingerprint_changes
+    from nanonorm.selection import unigram_loss as loss_of_frequencies
 
     folder = os.path.join(data_dir, dataset)
     try:
@@ -230,10 +229,7 @@ def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) ->
         print(f"note: no unigram line: {folder} was prepared again since the sweep trained on it "
               f"({', '.join(changed)})")
         return None
-    counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
-                          minlength=meta["vocab_size"]) for split in ("train", "val")]
-    p = (counts[0] + 1) / (counts[0].sum() + len(counts[0]))
-    return float(-(counts[1] * np.log(p)).sum() / counts[1].sum())
+    return loss_of_frequencies(data_dir, dataset)
 
 
 def read_lr_sweep(root: str) -> dict:
@@ -313,19 +309,26 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
     horizontal reference lines (the unigram loss of a language-model sweep, or those given); `heading` (--title)
     goes above the setup line the sweeps' summaries give."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-
-    from sweep import first_seed_runs, matches
-
     sweep = load_lr_sweeps(roots)
-    keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
+    setup = sweep["setup"] or {}
     refs = dict(references or {})
     if setup.get("task") == "lm" and "unigram" not in refs:
         uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
                            (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
             refs["unigram (context ignored)"] = uni
+    return draw_lr_figure(sweep, refs, heading)
+
+
+def draw_lr_figure(sweep: dict, refs: dict[str, float], heading: str | None = None):
+    """draw_lr_sensitivity's figure of sweeps already read ({"runs", "lr_points", "setup", "lr_key", "keys"}: what
+    load_lr_sweeps returns, or sweep.py --tables builds from the results files), with the reference lines `refs`."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    from nanonorm.lr_table import first_seed_runs, matches
+
+    keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
     labels = [point_label(p, keys) for p in sweep["lr_points"]]
     for point, label in zip(sweep["lr_points"], labels, strict=True):  # one setting in two sweeps: name the sweep
         point["label"] = label + (f" ({os.path.basename(os.path.normpath(point['root']))})"

@@ -91,6 +91,31 @@ import torch
 import prepare_data
 import train
 from model import GPTConfig
+from nanonorm.budget import BUDGET_EXIT, plan_text
+from nanonorm.claims import (
+    Claims,
+    ClaimsError,
+    check_fixed_before_runs,
+    committed_state,
+    parse_claims_text,
+    read_claims,
+)
+from nanonorm.lr_table import (
+    add_verdicts,
+    as_claims,
+    comparison,
+    crashed,
+    final_loss,
+    first_seed_runs,
+    grid_shortfall,
+    held_out_losses,
+    lr_sensitivity,
+    lr_table,
+    lr_table_tests,
+    matches,
+    pick_best,
+)
+from nanonorm.results import ResultsError, read_results, study_files, write_results
 from nanonorm.resume import data_fingerprint, fingerprint_changes
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
@@ -110,19 +135,22 @@ from nanonorm.runs import (
     load_metrics,
     run_config,
 )
-from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_settings
-from nanonorm.verdict import (  # the rule: sweep.verdict stays importable
-    DECISIVE,
-    INCONCLUSIVE,
-    MIN_RATES,
-    correct_family,
-    seeds_needed,
-    verdict,
-    verdict_text,
+from nanonorm.selection import (
+    MIN_SELECT_SEEDS,
+    HeldOutError,
+    default_select_seeds,
+    record_selection_seeds,
+    recorded_selection_seeds,
+    refined_rates,
+    unigram_loss,
 )
+from nanonorm.selection import check_held_out as check_selection_record
+from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_settings
+from nanonorm.verdict import MIN_RATES, scale_text
+from nanonorm.verdict import verdict as verdict  # sweep.verdict: the rule, where tests and docs call it
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
-OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
+OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged", 4: "stopped with a save (it resumes)"}
 COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val loss", "{:.4f}"),  # (header, format)
            "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
            "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
@@ -132,7 +160,8 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
            "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
            "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
-           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}")}
+           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}"),
+           "verdict_second": ("vs the baseline's second-best rate", "{}")}
 VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
 NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
               "(README, Comparing runs); --lr_grid runs each arm at its own best rate and gives the verdict rule's "
@@ -473,7 +502,15 @@ class Interrupted(KeyboardInterrupt):
 
 
 class NotStarted(Exception):
-    """A run the sweep did not start, as an earlier one could not be launched or recorded."""
+    """A run the sweep did not start, as an earlier one could not be launched or recorded, or the budget ran out."""
+
+
+class BudgetSpent(Exception):
+    """--budget ran out: the running runs saved and stopped, nothing more started; the same command continues."""
+
+    def __init__(self, budget: float, left: int):
+        super().__init__(f"the budget of {budget:g} s is spent with {left} run{'s' * (left != 1)} of this phase left "
+                         "(stopped runs saved their last iteration): run the same command to continue")
 
 
 class LaunchFailed(Exception):
@@ -505,13 +542,31 @@ class Children:
         self._running: set[subprocess.Popen] = set()
         self.stopping: int | None = None  # the stop signal received
         self.halted = False  # a run could not be launched or recorded: start no other
+        self.budget: float | None = None  # --budget: seconds this call may run runs for
+        self.deadline: float | None = None  # when it ends (time.monotonic)
+        self.expired = False  # it has: the runs got SIGTERM, and none starts
 
     def check_running(self) -> None:
-        """Interrupted if the sweep is stopping, NotStarted after a failed launch: nothing more starts."""
+        """Interrupted if the sweep is stopping, NotStarted after a failed launch or past the budget: nothing more
+        starts."""
         if self.stopping is not None:
             raise Interrupted(self.stopping)
-        if self.halted:
+        if self.halted or self.expired:
             raise NotStarted
+
+    def set_budget(self, seconds: float | None) -> None:
+        """Give this call `seconds` of run time from now (None: no limit)."""
+        self.budget, self.deadline = seconds, None if seconds is None else time.monotonic() + seconds
+        self.expired = False
+
+    def expire(self) -> None:
+        """The budget has run out: start nothing more, and stop the running runs with a save (SIGTERM: train.py saves
+        its last iteration and exits 4; the next call resumes it)."""
+        with self._lock:
+            self.expired = True
+            running = list(self._running)
+        for process in running:
+            process.send_signal(signal.SIGTERM)
 
     def start(self, command: list[str], **options) -> subprocess.Popen:
         """Popen(command), unless the sweep is stopping or halted."""
@@ -543,7 +598,7 @@ class Children:
 
     def reset(self) -> None:
         with self._lock:
-            self.stopping, self.halted = None, False
+            self.stopping, self.halted = None, False  # the budget goes on: set_budget sets it
 
 
 CHILDREN = Children()
@@ -678,8 +733,8 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
     """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
     final losses (of its last evaluation up to its `max_iters`, one per run: a run trained on past them by hand
     counts at them) and that evaluation's iteration, divergence, exit code, whether it reached its `max_iters`
-    (the rule run_state skips it by), time, and the `extra` metrics of its last evaluation that logged them
-    (e.g. val_xy_loss, grad_kurtosis)."""
+    (the rule run_state skips it by), time, its iteration-0 val loss, the commit that ran it, and the `extra`
+    metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis)."""
     rows = []
     for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
@@ -695,6 +750,8 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
                      "reached_max_iters": bool(max_iters) and reached_max_iters(records, max_iters[i]),
                      "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None,
+                     "initial_val_loss": next((r.get("val_loss") for r in evals if r["iter"] == 0), None),
+                     "commit": info.get("commit"),
                      **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), (int, float))), None)
                         for key in extra or []}})
     return rows
@@ -768,12 +825,13 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
                          "wait for it to end or stop it, then run the same command again. Nothing was started")
     CHILDREN.reset()
     failures, left, done = [], set(), 0
+    timer = budget_timer(pending)
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(launch, job, threads): job for job in pending}
         try:
             for future in as_completed(futures):
                 job, info = futures[future], future.result()
-                if "error" in info or "not_started" in info:
+                if "error" in info or "not_started" in info or info.get("exit_code") == 4 and CHILDREN.expired:
                     left.add(job["out_dir"])
                 if "not_started" in info:
                     continue
@@ -786,8 +844,28 @@ def execute(pending: list[dict], workers: int, threads: int) -> None:
                 CHILDREN.stop(signal.SIGINT)
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
+        finally:
+            if timer:
+                timer.cancel()
+    if CHILDREN.expired and not failures:
+        raise BudgetSpent(CHILDREN.budget, len(left))
     if failures:
         raise LaunchFailed(failures, left)
+
+
+def budget_timer(pending: list[dict]) -> threading.Timer | None:
+    """A timer that ends the budget (CHILDREN.expire) at its deadline, started now; None without a budget or jobs.
+    Past the deadline already, it has ended."""
+    if CHILDREN.deadline is None or not pending:
+        return None
+    left = CHILDREN.deadline - time.monotonic()
+    if left <= 0:
+        CHILDREN.expired = True
+        return None
+    timer = threading.Timer(left, CHILDREN.expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def outcome_text(job: dict, info: dict) -> str:
@@ -871,24 +949,7 @@ def write_summary_files(out_root: str, title: str, text: str, data: dict) -> Non
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
-def trained_to_end(row: dict) -> bool:
-    """The run's training counts as complete: it exited with 0 (or recorded no exit code), or its metrics hold
-    the evaluation at max_iters whatever exit code run.json records (killed while drawing its final sample,
-    or completed by hand with --init_from=resume after a stop)."""
-    return row["exit_code"] in (0, None) or bool(row.get("reached_max_iters"))
 
-
-def crashed(row: dict) -> bool:
-    """A run that ended with an error (a crash or a refused config) before it could train or diverge: not a result."""
-    return row["diverged_at"] is None and row["exit_code"] != 3 and not trained_to_end(row)
-
-
-def final_loss(row: dict) -> float:
-    """The run's final val loss for the verdict rule and the choice of rate: +inf if it diverged, crashed
-    or ended without a finite loss."""
-    loss = row.get("val_loss")
-    ok = row["diverged_at"] is None and trained_to_end(row) and loss is not None and math.isfinite(loss)
-    return loss if ok else math.inf
 
 
 def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dict[str, float]]:
@@ -909,135 +970,170 @@ def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dic
     return first, {k: values[k] / values[first] for k in followers if k != first}
 
 
-def matches(row: dict, point: dict) -> bool:
-    """Whether a run (or point) has every value of `point`, compared as text (a summary's 0.001 is "0.001")."""
-    return all(str(row.get(k)) == str(v) for k, v in point.items())
 
 
-def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
-    """The runs of one grid point on its first selection seed: the seed that ran the most rates."""
-    rates: dict[int, set] = {}
-    for r in rows:
-        rates.setdefault(r["seed"], set()).add(float(r[lr_key]))
-    first = max(rates, key=lambda s: (len(rates[s]), -s), default=None)
-    return [r for r in rows if r["seed"] == first]
-
-
-def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = None) -> float | None:
-    """Learning-rate sensitivity as Wortsman et al. (2023) define it, from one grid point's first-seed runs:
-    the mean over the grid's (log-spaced) rates of min(final loss, initial loss) - the best final loss.
-    A diverged or crashed run, or one that ends above where it started, counts at the initial loss (the
-    iteration-0 val loss, one init for every rate); 0 means every rate of the grid is as good as the best.
-    It depends on the grid, so points are compared over the same `rates` (default: all the point ran).
-    None when no rate trained or no run logged a finite initial loss."""
-    rows = [r for r in rows if rates is None or float(r[lr_key]) in rates]
-    initial = next((x for r in rows if "out_dir" in r and (x := val_loss_at(r["out_dir"], 0)) is not None
-                    and math.isfinite(x)), None)
-    finals = [final_loss(r) for r in rows]
-    if initial is None or not any(math.isfinite(x) for x in finals):
-        return None
-    capped = [min(x, initial) for x in finals]
-    return statistics.fmean(capped) - min(capped)
-
-
-def pick_best(rows: list[dict], lr_key: str, lr_values: list[str]) -> dict:
-    """The best rate of one grid point from its runs at every rate (on each selection seed): the lowest mean final
-    val loss over those seeds, a rate with a diverged or crashed run ranking last; the diverged and crashed
-    rates, and the edge warning."""
-    by_rate: dict[str, list[float]] = {}
-    for r in rows:
-        by_rate.setdefault(r[lr_key], []).append(final_loss(r))
-    trained = {lr: statistics.fmean(losses) for lr, losses in by_rate.items() if all(map(math.isfinite, losses))}
-    best = min(trained, key=trained.get) if trained else None
-    numeric = sorted(float(v) for v in lr_values)
-    edge = None
-    if best is not None and len(set(numeric)) == 1:
-        edge = "the grid has one rate: give --lr_grid at least five"
-    elif best is not None and float(best) in (numeric[0], numeric[-1]):
-        side = "lowest" if float(best) == numeric[0] else "highest"
-        edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
-    diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
-    failed = list(dict.fromkeys(r[lr_key] for r in rows if crashed(r)))
-    return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": failed, "edge_warning": edge,
-            "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key)}
 
 
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
                  seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
-                 baseline: dict | None = None, claims: list | None = None, dry_run: bool = False,
-                 extra: list[str] | None = None, select_seeds: list[int] | None = None) -> list[dict]:
-    """Each grid point at its own best learning rate, judged on seeds that did not pick it: every rate
-    runs on the selection seeds (`select_seeds`; default: one seed not in `seeds`, default_select_seed), the best
-    is kept (lowest mean final val loss over them; a diverged run ranks its rate last), and the held-out `seeds`
-    run at that rate only. The mean ± std and the verdicts against `baseline` (each point's claim and δ from
-    `claims`, see claim_for) use the held-out seeds alone. Returns one row per grid point."""
+                 baseline: dict | None = None, claims: Claims | list | None = None, dry_run: bool = False,
+                 extra: list[str] | None = None, select_seeds: list[int] | None = None, refine: bool = True,
+                 results: str | None = None) -> list[dict]:
+    """Each grid point at its own best learning rate, judged on seeds that did not pick it (docs/comparing.md):
+    every rate runs on the selection seeds (`select_seeds`; default: three not in `seeds` nor earlier held out,
+    selection.default_select_seeds), each point's coarse pick (the lowest mean final val loss over them; a diverged
+    run ranks its rate last) is refined by the two rates at ×√3 around it on the same seeds (`refine`), and the
+    held-out `seeds` run at the finer grid's best only (the baseline's at its second-best too). The mean ± std
+    and the verdicts against `baseline` (each point's claim from `claims`) use the held-out seeds alone. A seed
+    that selected a rate in out_root before is refused as a held-out seed. Writes the summary, out_root/results.jsonl
+    and, with `results`, a copy there; returns one row per grid point."""
     fixed = dict(fixed or {})
     if not str(fixed.get("seed", 0)).isdigit():
         raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
     seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
-    select = select_seeds or [default_select_seed(seeds)]
+    select = select_seeds or default_select_seeds(seeds, out_root)
     check_held_out(select, seeds)
+    check_not_selected(out_root, seeds)
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
     workers, threads = parallelism(jobs, threads_per_run)
-    if len(lr_values) < MIN_RATES and baseline:
-        print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
+    if baseline and (short := protocol_shortfall(lr_values, select)):
+        print(f"note: {short}, so no word will be decisive")
     check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
-    first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
-    pending = [job for job in first if job["state"] != "finished"]
-    print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
-          f"{workers} at a time with OMP_NUM_THREADS={threads}; then held-out seeds {seeds} at each point's "
-          "best rate")
-    if dry_run:
-        for job in pending:
-            print(shlex.join(["python", "train.py", *job["argv"]]))
-        return []
-    data = data_fingerprints(first)
+    coarse = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    if dry_run:
+        print_plan(coarse, points, select, seeds, refine, workers, threads)
+        return []
+    if isinstance(claims, Claims) and claims.path:
+        check_fixed_before_runs(out_root, claims, any(job["state"] != "new" for job in coarse))
+    record_selection_seeds(out_root, select)  # before any runs: a sweep stopped early keeps them out of verdicts
+    data = data_fingerprints(coarse)
+    context = sweep_context(coarse[0]["argv"], len(seeds)) if coarse else {}
 
-    def picked(first_jobs: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
-        rows = summarize_jobs(first_jobs, extra)
-        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values)} for p in points]
+    def picked(selection: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
+        rows = summarize_jobs(selection, extra)
+        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, unigram=context.get("unigram"))}
+                      for p in points]
 
-    def finish(first_jobs: list[dict], rest_jobs: list[dict], note: str | None = None) -> list[dict]:
-        check_run_data(first_jobs + rest_jobs, data)
-        first_rows, choice = picked(first_jobs)
-        rows = first_rows + summarize_jobs(rest_jobs, extra)
-        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select)
-        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [],
-                         f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                         + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
-                         + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data),
-                          **({"setup": run_setup(first[0]["argv"], len(seeds)),
-                              "settings": run_settings(first[0]["argv"]),
-                              "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]}
-                             if first else {})}, note)
+    def plan_at(point: dict, rates: list[str], on: list[int]) -> list[dict]:
+        return plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: rates}, on, fixed, out_root, rerun,
+                         (lr_key, ratios))
+
+    def finish(selection: list[dict], held: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(selection + held, data)
+        selection_rows, choice = picked(selection)
+        rows = selection_rows + summarize_jobs(held, extra)
+        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select, context.get("unigram"),
+                         context.get("settings"), context.get("setup"))
+        recorded = {"select_seeds": select, "held_out_seeds": seeds, "refined": refine, **recorded_data(data),
+                    **({"setup": context["setup"], "settings": context["settings"],
+                        "unigram_loss": context["unigram"], "commit": code_version(),
+                        "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if coarse else {}),
+                    **({"baseline": baseline} if baseline else {}), **claims_record(claims)}
+        title = (f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
+                 + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
+                 + f", rates picked on seeds {select}" + (" and refined" if refine else "")
+                 + f", held-out seeds {seeds}")
+        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [], title, recorded, note)
+        write_results(out_root, results, {"title": title, "keys": list(grid), "lr_key": lr_key, "points": points,
+                                          **recorded}, rows, list(grid), lr_key)
         return table
 
-    rest: list[dict] = []
+    fine: list[dict] = []
+    held: list[dict] = []
     try:
-        execute(pending, workers, threads)
-        check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
-        rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
-                for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
-                                     fixed, out_root, rerun, (lr_key, ratios))]
-        execute([job for job in rest if job["state"] != "finished"], workers, threads)
+        execute([job for job in coarse if job["state"] != "finished"], workers, threads)
+        check_run_data(coarse, data)  # before more runs train on other data than picked their rates
+        if refine:
+            fine = [job for c, point in zip(picked(coarse)[1], points, strict=True) if c["best_lr"] is not None
+                    for job in plan_at(point, refined_rates(c["best_lr"], lr_values), select)]
+            execute([job for job in fine if job["state"] != "finished"], workers, threads)
+            check_run_data(coarse + fine, data)
+        held = [job for c, point in zip(picked(coarse + fine)[1], points, strict=True) if c["best_lr"] is not None
+                for job in plan_at(point, held_out_rates(c, point, baseline), seeds)]
+        execute([job for job in held if job["state"] != "finished"], workers, threads)
     except LaunchFailed as e:
-        finish(e.kept(first), e.kept(rest), e.note)
+        finish(e.kept(coarse + fine), e.kept(held), e.note)
         raise
-    return finish(first, rest)
+    return finish(coarse + fine, held)
+
+
+def held_out_rates(choice: dict, point: dict, baseline: dict | None) -> list[str]:
+    """The rates a point's held-out seeds run at: its best, and for the baseline its second-best too (every verdict
+    is also judged against the baseline there)."""
+    second = choice.get("second_lr") if baseline and matches(point, baseline) else None
+    return [choice["best_lr"], *([second] if second is not None else [])]
+
+
+def protocol_shortfall(lr_values: list[str], select: list[int]) -> str | None:
+    """Why a sweep's plan cannot give a decisive word, whatever its runs show: too few rates or selection seeds."""
+    why = [f"{len(lr_values)} rates (a verdict needs at least {MIN_RATES})" if len(lr_values) < MIN_RATES else None,
+           f"{len(select)} selection seed{'s' * (len(select) != 1)} (a verdict needs {MIN_SELECT_SEEDS})"
+           if len(select) < MIN_SELECT_SEEDS else None]
+    return "; ".join(filter(None, why)) or None
+
+
+def check_not_selected(out_root: str, seeds: list[int]) -> None:
+    """selection.check_held_out as a SweepError: no seed that selected a rate in out_root is held out there."""
+    try:
+        check_selection_record(out_root, seeds)
+    except HeldOutError as e:
+        raise SweepError(str(e)) from None
+
+
+def sweep_context(argv: list[str], n_seeds: int) -> dict:
+    """What a sweep's table states beside its words and checks its picks by: its setup (the scale), its settings
+    (what claims and other sweeps are matched on) and its data's unigram loss (a cliff's floor; None off the lm
+    task or where the data is not prepared)."""
+    cfg, _ = train.load_config(argv)
+    unigram = unigram_loss(cfg.data_dir, cfg.dataset) if cfg.task == "lm" else None
+    return {"setup": run_setup(argv, n_seeds), "settings": run_settings(argv), "unigram": unigram}
+
+
+def claims_record(claims: Claims | list | None) -> dict:
+    """What a summary and a results file record of the claims, so that the tables regenerate from the results
+    alone: the claims file (its path, digest, whether it is committed, and its text), or the ad hoc claims."""
+    claims = as_claims(claims)
+    if claims.path:
+        return {"claims": {"path": claims.path, "sha256": claims.sha256, "state": committed_state(claims.path),
+                           "text": claims.text}}
+    ad_hoc = [[c.row, c.claim, c.delta] for c in claims.claims if c.claim is not None]
+    return {"ad_hoc_claims": [[c.row, c.claim, c.delta] for c in claims.claims]} if ad_hoc else {}
+
+
+def finished_wall_times(jobs: list[dict]) -> list[float]:
+    """The wall times (s) run.json records of the jobs' finished runs: what a plan estimates the rest by."""
+    return [t for job in jobs if job["state"] == "finished"
+            and isinstance(t := read_run_info(job["out_dir"]).get("wall_s"), (int, float))]
+
+
+def print_plan(coarse: list[dict], points: list[dict], select: list[int], seeds: list[int], refine: bool,
+               workers: int, threads: int) -> None:
+    """A dry run's plan: the runs of each phase (selection, refinement, held-out), the commands of the selection
+    runs left, and, from the finished runs' times, what is left to run (budget.plan_text)."""
+    pending = [job for job in coarse if job["state"] != "finished"]
+    phases = {"selection": (len(coarse), len(pending)),
+              "refinement (at most)": (2 * len(points) * len(select) if refine else 0, None),
+              "held-out (the baseline's second-best rate included)": (len(points) * len(seeds) + len(seeds), None)}
+    print(plan_text(phases, finished_wall_times(coarse), workers, CHILDREN.budget))
+    print(f"{workers} at a time with OMP_NUM_THREADS={threads}; the selection runs left:")
+    for job in pending:
+        print(shlex.join(["python", "train.py", *job["argv"]]))
 
 
 def run_setup(argv: list[str], n_seeds: int) -> dict:
-    """What a figure's title states of a sweep: model size, data, steps, optimizer, seeds."""
+    """What a figure's title and a verdict's scale state of a sweep: model size, data, steps, tokens trained on,
+    optimizer, seeds."""
     cfg, model_args = train.load_config(argv)
     size = {k: model_args.get(k, getattr(GPTConfig, k)) for k in ("n_layer", "n_embd", "block_size")}
     if cfg.task == "icl" and "block_size" not in model_args:  # the task sets it (icl_task: 2 * icl_pairs)
         size["block_size"] = 2 * cfg.icl_pairs
     data = cfg.dataset if cfg.task == "lm" else f"least squares (T {cfg.icl_pairs})"
+    tokens = cfg.max_iters * cfg.gradient_accumulation_steps * cfg.batch_size * size["block_size"]
     return {**size, "task": cfg.task, "data": data, "dataset": cfg.dataset, "data_dir": cfg.data_dir,
-            "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds}
+            "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds,
+            "tokens": tokens}
 
 
 def run_settings(argv: list[str]) -> dict:
@@ -1048,46 +1144,7 @@ def run_settings(argv: list[str]) -> dict:
     return {k: v for k, v in settings.items() if k not in (*IGNORED_FLAGS, "seed")}
 
 
-def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
-    """The edge warning, and a warning when the best rate (picked on the selection seeds) diverged or crashed on
-    a held-out seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
-    failed = sorted(int(s) for s, x in losses.items() if not math.isfinite(x))
-    fragile = f"diverged or crashed at its best rate on seed {','.join(map(str, failed))}" if failed else None
-    return "; ".join(w for w in (edge, fragile) if w) or None
 
-
-def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> str | None:
-    """Why one point's learning-rate sweep cannot back a verdict (README, Comparing runs: at least MIN_RATES rates, the
-    best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can.
-    A rate whose run crashed gave no result (a diverged one did), so it counts neither as a rate nor as an edge."""
-    failed = sorted({float(r[lr_key]) for r in first_runs if crashed(r)})
-    rates = sorted({float(r[lr_key]) for r in first_runs} - set(failed))
-    if best_lr is None:
-        return "no rate trained: every rate of the grid diverged or crashed"
-    if len(rates) < MIN_RATES:
-        why = f" ({', '.join(f'{x:g}' for x in failed)} crashed: run the sweep again)" if failed else ""
-        return f"{len(rates)} rate{'s' * (len(rates) != 1)} in the grid with a result{why}; the rule needs {MIN_RATES}"
-    if float(best_lr) in (rates[0], rates[-1]):
-        return "best rate on the grid's edge"
-    return None
-
-
-def lr_verdict(losses: dict, base_losses: dict, claim: str | None, delta: float, shortfalls: list[str | None]) -> dict:
-    """The verdict rule on two points' per-seed losses at their best rates, over held-out seeds (paired when they
-    share their seeds); a decisive word becomes "inconclusive at this scale" when either grid falls short (a
-    description stays, the shortfall said beside it)."""
-    seeds = sorted(losses)
-    paired = seeds == sorted(base_losses)
-    v = verdict([losses[s] for s in seeds], [base_losses[s] for s in (seeds if paired else sorted(base_losses))],
-                claim, delta, paired)
-    reason = "; ".join(dict.fromkeys(r for r in shortfalls if r))
-    if reason:
-        downgrade = claim is not None and v["verdict"] in DECISIVE
-        v = {**v, "verdict": INCONCLUSIVE if downgrade else v["verdict"],
-             "reason": "; ".join(r for r in (v["reason"], reason) if r)}
-        if downgrade:
-            v["seeds_needed"] = seeds_needed(v)
-    return v
 
 
 def check_held_out(select_seeds: list[int], seeds: list[int]) -> None:
@@ -1095,12 +1152,6 @@ def check_held_out(select_seeds: list[int], seeds: list[int]) -> None:
     if common := sorted(set(select_seeds) & set(seeds)):
         raise SweepError(f"seed {','.join(map(str, common))} is in both --select_seeds and --seeds: a seed that "
                          "picks the rate never enters a verdict; give the two lists no seed in common")
-
-
-def default_select_seed(seeds: list[int]) -> int:
-    """The selection seed when --select_seeds is not given: the smallest whole number not among the held-out
-    seeds (0 beside --seeds 1,2,3,4,5)."""
-    return next(s for s in itertools.count() if s not in seeds)
 
 
 def selection_seeds(summary: dict, runs: list[dict]) -> set[int]:
@@ -1138,76 +1189,9 @@ def checked_claim(claim: str, delta: str | None, flag: str = "--claim") -> tuple
     return (None if claim == "none" else claim), float(delta or 0)
 
 
-def claim_for(point: dict, claims: list | None) -> tuple[str | None, float]:
-    """The claim and δ a point is tested for: the last of `claims`, [(point values, claim, δ), ...] (the values {}
-    match every point), whose values the point has; (None, 0.0), a description, when none does."""
-    return next(((claim, delta) for values, claim, delta in reversed(claims or []) if matches(point, values)),
-                (None, 0.0))
 
 
-def verdict_columns(v: dict) -> dict:
-    """The columns a table prints of one comparison: the verdict (the word and why), claim, δ, Δ with its 95%
-    interval, mde, n (seeds per arm), p, and what an inconclusive one would take."""
-    if "claim" not in v:  # no verdict: trained at no rate, or another setup
-        return {"verdict": v["verdict"]}
-    return {"verdict": verdict_text(v), "claim": v["claim"] or "none", "delta": v["delta"] if v["claim"] else None,
-            "diff": v["diff"], "ci": v["ci"], "mde": v["mde"], "n_seeds": v["n"], "p": v["p"],
-            "p_holm": v.get("p_holm"), "seeds_needed": v["seeds_needed"], "diverged_runs": v["diverged"]}
 
-
-def add_verdicts(tests: list[tuple[dict, dict]]) -> None:
-    """Fill each (row, comparison) of one table with the comparison's columns, Holm-corrected over the table."""
-    corrected = correct_family([v for _, v in tests])
-    for (row, _), v in zip(tests, corrected, strict=True):
-        row.update(verdict_columns(v))
-
-
-def compared(point: dict, base: dict, claim: str | None, delta: float = 0.0) -> dict:
-    """The verdict of one point against the baseline point (each a row of an lr table: best_lr, seed_losses at it
-    over held-out seeds, grid_shortfall), or {"verdict": "no verdict: ..."} for a point that trained at no rate."""
-    if point["best_lr"] is None:
-        return {"verdict": "no verdict: trained at no rate (every rate diverged or crashed on the selection seeds)"}
-    if base["best_lr"] is None:
-        return {"verdict": "no verdict: the baseline trained at no rate"}
-    return lr_verdict(point["seed_losses"], base["seed_losses"], claim, delta,
-                      [point["grid_shortfall"], base["grid_shortfall"]])
-
-
-def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
-             claims: list | None = None, select_seeds: list[int] = ()) -> list[dict]:
-    """One row per grid point: best rate, mean ± std (n) of the final val loss at it over the held-out seeds
-    (every seed but `select_seeds`), and, given a baseline point, the verdict rule against it for each point's
-    claim and δ (claim_for(point, claims); lr_verdict: inconclusive when a grid is too short or a best rate on its
-    edge), Holm-corrected over the table. A point that trained at no rate says so in place of a verdict."""
-    def runs_of(c: dict) -> list[dict]:
-        return [r for r in rows if matches(r, {k: c[k] for k in keys})]
-
-    def seeds_at_best(c: dict) -> dict[int, float]:
-        return {r["seed"]: final_loss(r) for r in runs_of(c) if c["best_lr"] is not None
-                and str(r[lr_key]) == str(c["best_lr"]) and r["seed"] not in select_seeds}
-
-    def shortfall(c: dict) -> str | None:
-        return grid_shortfall(first_seed_runs(runs_of(c), lr_key), lr_key, c["best_lr"])
-
-    base = next((c for c in choice if baseline and matches(c, baseline)), None)
-    base_losses = seeds_at_best(base) if base else {}
-    table, tests = [], []
-    for c in choice:
-        losses = seeds_at_best(c)
-        finite = [x for x in losses.values() if math.isfinite(x)]
-        text = "-" if not finite else f"{statistics.fmean(finite):.4f}" + (
-            f" ± {statistics.stdev(finite):.4f}" if len(finite) > 1 else "") + f" (n={len(finite)})"
-        row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
-               "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
-               "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": ",".join(c["crashed_lrs"]) or None,
-               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
-               "grid_shortfall": shortfall(c)}
-        if base is not None and c is not base:
-            tests.append((row, compared(row, {"best_lr": base["best_lr"], "seed_losses": base_losses,
-                                              "grid_shortfall": shortfall(base)}, *claim_for(row, claims))))
-        table.append(row)
-    add_verdicts(tests)
-    return table
 
 
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
@@ -1217,14 +1201,27 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
     --leaderboard compares)."""
     run_columns = [*keys, lr_key, "seed", "train_loss", "val_loss", *extra, "diverged_at", "exit_code", "wall_s",
                    "ms_per_iter"]
-    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
-                     *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
-    text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns),
+    text = "\n\n".join([format_table(rows, run_columns), point_table_text(table, keys, recorded.get("setup")),
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all.", *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text,
                         {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
+
+
+def point_columns(table: list[dict], keys: list[str]) -> list[str]:
+    """The columns of a sweep's per-point table: the grid values, best rate, mean ± std, the rates that failed,
+    sensitivity and, with a baseline, the comparison's (VERDICT_COLUMNS) and the word at the baseline's
+    second-best rate."""
+    judged = any("verdict" in r for r in table)
+    return [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
+            *(VERDICT_COLUMNS if judged else []), *(["verdict_second"] if judged else []), "edge_warning"]
+
+
+def point_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str:
+    """A sweep's per-point table under a line that states its scale: every word in it was measured there."""
+    scale = f"Scale: {scale_text(setup)}.\n\n" if setup else ""
+    return scale + format_table(table, point_columns(table, keys))
 
 
 def val_loss_at(out_dir: str, iteration: int) -> float | None:
@@ -1303,6 +1300,12 @@ def summary_mismatch(root: str, summary: dict) -> str | None:
         stored = {str(s): math.inf if v is None else v for s, v in p["seed_losses"].items()}
         if stored != runs:
             return f"point {at_best}: seed_losses {p['seed_losses']}, its runs' final losses {runs}"
+        if p.get("second_seed_losses"):  # a baseline's held-out runs at its second-best rate
+            second = {**at_best, lr_key: p.get("second_lr")}
+            runs = {str(r["seed"]): final_loss(r) for r in summary["runs"] if matches(r, second)
+                    and r["seed"] not in picked}
+            if {str(s): math.inf if v is None else v for s, v in p["second_seed_losses"].items()} != runs:
+                return f"point {second}: second_seed_losses {p['second_seed_losses']}, its runs' final losses {runs}"
     for r in summary["runs"]:
         if not isinstance(r.get("out_dir"), str):
             continue
@@ -1384,29 +1387,20 @@ def setup_difference(summary: dict, base: dict) -> str | None:
     return ", ".join(differ) or None
 
 
-def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | None = None) -> list[dict]:
+def leaderboard(roots: list[str], baseline: dict | None = None, claims: Claims | list | None = None) -> list[dict]:
     """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
     its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point (the
-    first root's, if several match; `compared`, as in each sweep's own table) for each point's claim and δ
-    (claim_for(point, claims); no claims: a description of each row, not a verdict), Holm-corrected over the
-    table, on held-out seeds only (a seed that picked a rate never counts, see selection_seeds). A point of a
-    sweep whose recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
-    differs. Points with the same settings in two roots are told apart by the root; a root given twice (another
-    spelling of one folder) is read once."""
-    points = []
+    first root's, if several match; at its best rate and its second-best, as in each sweep's own table) for each
+    point's claim (claims.for_row of its values over its sweep's settings; no claim: a description, not a
+    verdict), Holm-corrected within each family of claims, on held-out seeds only (a seed that selected a rate
+    in its sweep's folder never counts, see board_point). A point of a sweep whose recorded setup or fixed
+    settings differ from the baseline's gets no verdict, and the row says what differs. Points with the same
+    settings in two roots are told apart by the root; a root given twice (another spelling of one folder) is read
+    once."""
+    claims = as_claims(claims)
     summaries = [(root, read_lr_summary(root)) for root in distinct_folders(roots)]
     check_recorded_data(summaries)
-    for root, summary in summaries:
-        keys, lr_key = summary["keys"], summary["lr_key"]
-        for point in summary["lr_points"]:
-            runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
-            label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
-            first = first_seed_runs(runs, lr_key)
-            picked = selection_seeds(summary, runs)
-            points.append({**point, "label": label, "root": root, "summary": summary, "lr_key": lr_key,
-                           "seed_losses": {int(s): v for s, v in point["seed_losses"].items() if int(s) not in picked},
-                           "first_runs": first, "grid_shortfall": grid_shortfall(first, lr_key, point["best_lr"]),
-                           "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
+    points = [board_point(root, summary, point) for root, summary in summaries for point in summary["lr_points"]]
     # the sensitivity depends on the grid: every arm's over the rates all of them ran
     shared = set.intersection(*({float(r[p["lr_key"]]) for r in p["first_runs"]} for p in points)) if points else set()
     over = ", ".join(f"{x:g}" for x in sorted(shared))
@@ -1429,20 +1423,122 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
             if differ:
                 row["verdict"] = f"no verdict: another setup ({differ})"
             else:
-                tests.append((row, compared(p, base, *claim_for(p, claims))))
+                setup = p["summary"].get("setup")
+                tests.append({**comparison(p, base, claims.for_row({**p["summary"].get("settings", {}), **p}),
+                                           scale_text({**setup, **p}) if setup else None), "row": row})
         table.append(row)
-    add_verdicts(tests)
+    add_verdicts(tests, claims)
     return table
 
 
-def check_claimed_rows(points: list[dict], claims: list | None) -> None:
-    """Refuse a --row_claim that names no row of the leaderboard (a mistyped value would leave its row described,
-    not judged), listing the rows there are."""
-    for values, _, _ in (claims or [])[1:]:
-        if values and not any(matches(p, values) for p in points):
+def board_point(root: str, summary: dict, point: dict) -> dict:
+    """One point of a sweep's summary as the leaderboard compares it: its held-out losses at its best rate (and at
+    its second-best, for a baseline), leaving out every seed that selected a rate in its folder (the summary's
+    selection seeds and those out_root/selection_seeds.json keeps), and why its grid cannot back a verdict."""
+    keys, lr_key = summary["keys"], summary["lr_key"]
+    runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
+    try:
+        picked = selection_seeds(summary, runs) | recorded_selection_seeds(root)
+    except HeldOutError as e:
+        raise SweepError(str(e)) from None
+    selection = [r for r in runs if r["seed"] in picked]
+    return {**point, "label": ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root)),
+            "root": root, "summary": summary, "lr_key": lr_key,
+            "seed_losses": {int(s): v for s, v in point["seed_losses"].items() if int(s) not in picked},
+            "second_seed_losses": held_out_losses(runs, lr_key, point.get("second_lr"), picked),
+            "first_runs": first_seed_runs(selection, lr_key),
+            "grid_shortfall": grid_shortfall(selection, lr_key, point["best_lr"], summary.get("unigram_loss")),
+            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60}
+
+
+def check_claimed_rows(points: list[dict], claims: Claims) -> None:
+    """Refuse an ad hoc --row_claim that names no row of the leaderboard (a mistyped value would leave its row
+    described, not judged), listing the rows there are. A claims file's claims may name rows of other tables."""
+    for claim in () if claims.path else claims.claims:
+        if claim.row and not any(matches(p, claim.row) for p in points):
             rows = "; ".join(dict.fromkeys(", ".join(f"{k}={p[k]}" for k in p["summary"]["keys"]) for p in points))
-            named = ",".join(f"{k}={v}" for k, v in values.items())
+            named = ",".join(f"{k}={v}" for k, v in claim.row.items())
             raise SweepError(f"--row_claim {named} matches no row of the leaderboard; its rows are: {rows}")
+
+
+# ----------------------------------------------------------------------------- tables from the results files
+
+
+def results_tables(folder: str, out: str | None = None) -> str:
+    """The verdict tables of every study under a results folder (results.study_files: its *.jsonl, and each
+    subfolder's), from those files alone: each sweep's table as the sweep printed it, its claims Holm-corrected
+    within each family over the whole study. Returns the markdown; with `out`, writes <study>.md there and a
+    learning-rate figure per sweep (<study>_<sweep>.png)."""
+    texts = []
+    for study, files in study_files(folder).items():
+        sweeps = [(os.path.splitext(os.path.basename(path))[0], read_results(path)) for path in files]
+        families: dict[str, tuple[Claims, list[dict]]] = {}
+        tables = []
+        for name, data in sweeps:
+            claims = recorded_claims(data, name)
+            table, tests = table_of_results(data, claims)
+            key = claims.sha256 or f"ad hoc claims of {name}"  # a claims file's families span the study
+            families.setdefault(key, (claims, []))[1].extend(tests)
+            tables.append((name, data, table))
+        for claims, tests in families.values():
+            add_verdicts(tests, claims)
+        text = study_text(study, tables)
+        texts.append(text)
+        if out:
+            write_study(out, study, text, tables)
+    return "\n\n".join(texts)
+
+
+def recorded_claims(data: dict, name: str) -> Claims:
+    """The claims a results file recorded: its claims file's text, or its ad hoc claims."""
+    if data.get("claims"):
+        try:
+            return parse_claims_text(data["claims"]["text"], data["claims"]["path"])
+        except (ClaimsError, KeyError, TypeError) as e:
+            raise SweepError(f"{name}: the claims it records cannot be read ({e}); restore the file from git") from None
+    return as_claims([tuple(c) for c in data.get("ad_hoc_claims") or []])
+
+
+def table_of_results(data: dict, claims: Claims) -> tuple[list[dict], list[dict]]:
+    """A results file's per-point table and its tests (lr_table_tests), each point's rate picked on its selection
+    runs as the sweep picked it."""
+    keys, lr_key, select = data["keys"], data["lr_key"], data["select_seeds"]
+    rows = data["runs"]
+    points = data.get("points") or list({tuple(str(r[k]) for k in keys): {k: r[k] for k in keys} for r in rows}
+                                        .values())
+    choice = [{**p, **pick_best([r for r in rows if matches(r, p) and r["seed"] in select], lr_key,
+                                unigram=data.get("unigram_loss"))} for p in points]
+    return lr_table_tests(rows, choice, keys, lr_key, data.get("baseline"), claims, select, data.get("unigram_loss"),
+                          data.get("settings"), data.get("setup"))
+
+
+def study_text(study: str, tables: list[tuple[str, dict, list[dict]]]) -> str:
+    """A study's tables in markdown: per sweep its title, its seeds and claims, and its per-point table under the
+    scale its words were measured at."""
+    parts = [f"# {study}"]
+    for name, data, table in tables:
+        claims = data.get("claims")
+        said = f"claims: {claims['path']} ({claims['state']})" if claims else "claims: ad hoc, on the command line" \
+            if data.get("ad_hoc_claims") else "no claims: rows described"
+        parts += [f"## {name}", data["title"] + ".",
+                  f"Rates picked on seeds {data['select_seeds']}, held-out seeds {data['held_out_seeds']}; {said}.",
+                  point_table_text(table, data["keys"], data.get("setup"))]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_study(out: str, study: str, text: str, tables: list[tuple[str, dict, list[dict]]]) -> None:
+    """<study>.md and a learning-rate figure per sweep (<study>_<sweep>.png) in `out`."""
+    import plot
+
+    os.makedirs(out, exist_ok=True)
+    write_atomically(os.path.join(out, f"{study}.md"), text.encode())
+    for name, data, table in tables:
+        merged = {"runs": [{**r, "root": name} for r in data["runs"]],
+                  "lr_points": [{**p, "root": name} for p in table],
+                  "setup": data.get("setup"), "lr_key": data["lr_key"], "keys": data["keys"]}
+        refs = {"unigram (context ignored)": data["unigram_loss"]} if data.get("unigram_loss") is not None else {}
+        fig = plot.draw_lr_figure(merged, refs, f"{study}: {name}")
+        fig.savefig(os.path.join(out, f"{study}_{name}.png"), dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1471,8 +1567,9 @@ def main(argv: list[str] | None = None) -> int:
                         "learning_rate unless set (default: learning_rate)")
     parser.add_argument("--select_seeds", metavar="S1,S2,...",
                         help="with --lr_grid: the seeds that run every rate and pick each point's best (on their mean "
-                        "final val loss; a rate that diverged on one ranks last); they never enter a verdict "
-                        "(default: one seed not in --seeds, the smallest whole number)")
+                        "final val loss; a rate that diverged on one ranks last); they never enter a verdict, in this "
+                        f"folder ever (default: {MIN_SELECT_SEEDS} seeds not in --seeds, the smallest whole numbers; a "
+                        f"decisive word needs {MIN_SELECT_SEEDS})")
     parser.add_argument("--lr_seeds", type=int, metavar="N", help="replaced by --select_seeds (refused)")
     parser.add_argument("--claim", choices=("lower", "higher", "on_par", "none"), default="none",
                         help="with --baseline: what the paper claims of each point's final val loss against the "
@@ -1484,6 +1581,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="a point's own claim and δ over --claim's (repeatable), e.g. "
                         "norm_scheme=geonorm:lower:0.05 norm_scheme=post:none; a row whose paper makes no claim "
                         "against the baseline gets none")
+    parser.add_argument("--claims", metavar="FILE", help="a claims file (nanonorm/claims.py: JSON, committed before "
+                        "the runs): each row's claim, δ, paper and family; the baseline is its own. Replaces --claim "
+                        "and --row_claim, whose claims are ad hoc (one family of their own rows)")
+    parser.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --lr_grid: after the grid, run the two rates at ×√3 around each point's pick on the "
+                        "selection seeds and take the finer grid's best (default: on)")
+    parser.add_argument("--results", metavar="DIR", help="with --lr_grid: also write the sweep's per-run numbers to "
+                        "DIR/<out_root's name>.jsonl (a study's folder of results, kept in git)")
+    parser.add_argument("--tables", metavar="DIR", help="print the verdict tables of the results files under DIR (its "
+                        "*.jsonl and each subfolder's: one study each) from those files alone, and stop")
+    parser.add_argument("--tables_out", metavar="DIR", help="with --tables: write <study>.md and a learning-rate "
+                        "figure per sweep to DIR")
+    parser.add_argument("--budget", type=float, metavar="SECONDS", help="run runs for at most this long in this call "
+                        f"(a GPU's lease): at the end the running runs save and stop, the sweep exits {BUDGET_EXIT}, "
+                        "and the same command continues; with --jobs N, N runs share the device at a time")
     parser.add_argument("--rerun", action="store_true", help="run finished runs again, from scratch")
     parser.add_argument("--dry_run", action="store_true", help="print the train.py commands and stop")
     args = parser.parse_args(argv)
@@ -1491,41 +1603,82 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
 
 
-def parse_claims(args: argparse.Namespace) -> list[tuple[dict, str | None, float]]:
-    """The claims of --claim/--delta (every point) and --row_claim (a point's own), as claim_for reads them;
-    refused without the --baseline they are claims against."""
-    given = args.claim != "none" or args.delta is not None or args.row_claim
-    if given and not args.baseline:
+def parse_claims(args: argparse.Namespace) -> tuple[Claims, dict | None]:
+    """The claims and the baseline: a claims file's (--claims; a --baseline must agree with its own), or the ad hoc
+    claims of --claim/--delta (every point) and --row_claim (a point's own), refused without the --baseline they
+    are claims against."""
+    baseline = parse_assignments(args.baseline, "--baseline") or None
+    adhoc = args.claim != "none" or args.delta is not None or args.row_claim
+    if args.claims:
+        if adhoc:
+            raise SweepError("give the claims by --claims FILE or by --claim/--delta/--row_claim, not both")
+        try:
+            claims = read_claims(args.claims)
+        except ClaimsError as e:
+            raise SweepError(str(e)) from None
+        if baseline and baseline != claims.baseline:
+            raise SweepError(f"--baseline {' '.join(args.baseline)} is not the baseline of {args.claims} "
+                             f"({claims.baseline}); leave --baseline out, or give the file's")
+        return claims, claims.baseline
+    if adhoc and not baseline:
         raise SweepError("--claim, --delta and --row_claim state what is claimed against --baseline; give "
                          "--baseline key=value")
-    return [({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]
+    return as_claims([({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]), \
+        baseline
+
+
+def print_leaderboard(roots: list[str], baseline: dict | None, claims: Claims) -> None:
+    """--leaderboard: the table over the sweeps, the rates its sensitivity is over and its run time."""
+    table = leaderboard(roots, baseline, claims)
+    print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "verdict_second",
+                               "diverged_lrs", "lr_sensitivity", "run_minutes", "edge_warning"]))
+    rates = table[0]["lr_sensitivity_rates"] if table else ""
+    print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
+          f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+
+
+def in_grid(values: dict, grid: dict[str, list]) -> bool:
+    """Whether every key=value is a value of the grid."""
+    return all(k in grid and v in grid[k] for k, v in values.items())
 
 
 def run_command(args: argparse.Namespace) -> int:
     """main() past the parsing: the exit code of what args ask for."""
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        print(f"error: --budget {args.budget:g}: give the seconds this call may run runs for, a number > 0",
+              file=sys.stderr)
+        return 2
+    CHILDREN.set_budget(args.budget)
+    try:
+        return run_commands(args)
+    finally:
+        CHILDREN.set_budget(None)
+
+
+def run_commands(args: argparse.Namespace) -> int:
+    """run_command's work: the exit code of what args ask for."""
     try:
         if args.lr_seeds is not None:
             raise SweepError("--lr_seeds is replaced by --select_seeds: the rate is picked on seeds that never enter "
                              "a verdict, e.g. --select_seeds 0 --seeds 1,2,3,4,5 (for --lr_seeds 2 --seeds 1,2,3: "
                              "--select_seeds 1,2 --seeds 3 and more held-out seeds)")
-        claims = parse_claims(args)
+        if args.tables:
+            print(results_tables(args.tables, args.tables_out), end="")
+            return 0
+        claims, baseline = parse_claims(args)
         if args.leaderboard:
-            table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, claims)
-            print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "diverged_lrs",
-                                       "lr_sensitivity", "run_minutes", "edge_warning"]))
-            rates = table[0]["lr_sensitivity_rates"] if table else ""
-            print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
-                  f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+            print_leaderboard(args.leaderboard, baseline, claims)
             return 0
         if args.config is None:
             raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")
         grid = {k: distinct_values(v, f"--grid {k}") for k, v in parse_assignments(args.grid, "--grid").items()}
-        baseline = parse_assignments(args.baseline, "--baseline")
-        if any(k not in grid or v not in grid[k] for k, v in baseline.items()):
-            raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
-        for values, _, _ in claims[1:]:
-            if any(k not in grid or v not in grid[k] for k, v in values.items()):
-                raise SweepError(f"--row_claim: {values} is not a point of the grid {grid}")
+        if baseline and not in_grid(baseline, grid):
+            if not claims.path:
+                raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
+            baseline = None  # a claims file's baseline swept elsewhere: the leaderboard judges these rows
+        for claim in () if claims.path else claims.claims:
+            if not in_grid(claim.row, grid):
+                raise SweepError(f"--row_claim: {claim.row} is not a point of the grid {grid}")
         if not os.path.isfile(args.config):
             raise SweepError(f"config file {args.config!r} not found (see configs/ for examples)")
         if args.jobs != "auto" and not (args.jobs.isdigit() and int(args.jobs) >= 1):
@@ -1569,12 +1722,15 @@ def run_command(args: argparse.Namespace) -> int:
         with contextlib.nullcontext() if args.dry_run else OutDirLock(out_root, "--out_root", "sweep"):
             if lr_values:
                 table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
-                                     args.threads_per_run, args.rerun, baseline or None, claims, args.dry_run,
-                                     extra, select)
+                                     args.threads_per_run, args.rerun, baseline, claims, args.dry_run,
+                                     extra, select, args.refine, args.results)
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
-                             baseline or None, args.dry_run, extra)
-    except (SweepError, ConfigError, RunFileError) as e:
+                             baseline, args.dry_run, extra)
+    except BudgetSpent as e:
+        print(f"budget: {e}")
+        return BUDGET_EXIT
+    except (SweepError, ConfigError, RunFileError, ClaimsError, ResultsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LaunchFailed as e:

@@ -148,9 +148,10 @@ def verdict(a: list[float], b: list[float], claim: str | None, delta: float = 0.
     the word. Otherwise the losses are compared over the runs that finished (paired: the seeds where both
     did), and the divergence counts stand beside them in `reason`.
 
-    A decisive word needs MIN_SEEDS (5) held-out seeds in each arm; with fewer it is inconclusive (a description
-    stays). `p_word` is the p-value the word rests on (the largest of the tests it needs): what Holm's correction
-    (`correct_family`) adjusts within a family of comparisons."""
+    A decisive word needs MIN_SEEDS (5) held-out seeds in each arm, and one from the losses 5 runs that finished
+    in each arm (as pairs, when paired); with fewer it is inconclusive (a description stays). `p_word` is the
+    p-value the word rests on (the largest of the tests it needs): what Holm's correction (`correct_family`)
+    adjusts within a family of claims."""
     if claim not in CLAIMS:
         raise ValueError(f"claim={claim!r}: choose lower, higher, on_par or None")
     if not (isinstance(delta, (int, float)) and math.isfinite(delta) and delta >= 0):
@@ -188,13 +189,30 @@ def verdict(a: list[float], b: list[float], claim: str | None, delta: float = 0.
         word, nulls, why = interval_word(*v["ci"], claim, delta)
         v["p_word"] = max(p_at(v, null) for null in nulls)
         notes = [*([why] if why else []), *(["losses of the finished runs"] if any(k) else []), *notes]
-    if claim is not None and word in DECISIVE and min(n) < MIN_SEEDS:
+    if claim is not None and word in DECISIVE and (short := too_few_runs(v, tuple(map(len, finished)))):
         word = INCONCLUSIVE
-        notes.append(f"{n[0]} and {n[1]} seeds: a verdict needs {MIN_SEEDS} held-out seeds in each arm")
+        notes.append(short)
     v.update(verdict=word, reason="; ".join(notes) or None)
     if word == INCONCLUSIVE:
         v["seeds_needed"] = seeds_needed(v)
     return v
+
+
+def too_few_runs(v: dict, finished: tuple[int, int]) -> str | None:
+    """Why a decisive word lacks the runs it needs, or None: MIN_SEEDS held-out seeds per arm for a word that
+    Fisher's test of divergence gave, MIN_SEEDS runs that finished per arm (as pairs, when paired) for a word
+    from the losses: the survivors of an arm that diverged on most seeds are not a sample of it."""
+    n = v["n"]
+    if v["test"] == "Fisher's exact":
+        return None if min(n) >= MIN_SEEDS else \
+            f"{n[0]} and {n[1]} seeds: a verdict needs {MIN_SEEDS} held-out seeds in each arm"
+    if min(finished) >= MIN_SEEDS:
+        return None
+    if finished == n:
+        return f"{n[0]} and {n[1]} seeds: a verdict needs {MIN_SEEDS} held-out seeds in each arm"
+    return (f"{finished[0]} and {finished[1]} runs that finished{' (as pairs)' if v['paired'] else ''}: a verdict "
+            f"from the losses needs {MIN_SEEDS} held-out runs that finished in each arm (divergence is judged "
+            "by Fisher's test)")
 
 
 def seeds_needed(v: dict) -> int | None:
@@ -219,40 +237,86 @@ def holm_adjusted(ps: list[float]) -> list[float]:
 
 
 def holm(ps: list[float], alpha: float = ALPHA) -> list[bool]:
-    """Which tests of one family (one paper's comparisons; one table's rows) Holm's correction rejects, keeping
-    the chance of any false rejection in the family at most alpha."""
+    """Which tests of one family (one paper's claims) Holm's correction rejects, keeping the chance of any false
+    rejection in the family at most alpha."""
     return [p < alpha for p in holm_adjusted(ps)]
 
 
-def correct_family(verdicts: list[dict | None], alpha: float = ALPHA) -> list[dict | None]:
-    """The verdicts of one family, each with its Holm-adjusted p (`p_holm`, of `p_word`) and the family's size;
-    a decisive word whose adjusted p is not below alpha becomes inconclusive at this scale (a description: not
-    distinguishable). Entries without a test (None, or no p_word) stay as they are but for counting nothing."""
-    tested = [i for i, v in enumerate(verdicts) if v is not None and v.get("p_word") is not None]
+AD_HOC = "ad hoc"  # the family of the claims a command line states (--claim, --row_claim): its own claimed rows
+
+
+def correct_family(verdicts: list[dict | None], alpha: float = ALPHA, name: str = AD_HOC,
+                   size: int | None = None) -> list[dict | None]:
+    """The verdicts of one family of claims, each claim with its Holm-adjusted p (`p_holm`, of `p_word`), the
+    family's name and size; a decisive word whose adjusted p is not below alpha becomes inconclusive at this scale.
+    The family is the claims, never the descriptions (a verdict without a claim stays as it is, its own p beside
+    it), and its size is `size`, the claims it holds as written before the runs (default: the claims given here):
+    a claim of it that is not tested here (its row in another table, or no test: trained at no rate) counts at
+    p = 1, so that which rows a table happens to hold makes no word easier to get. None entries stay."""
+    claimed = [i for i, v in enumerate(verdicts) if v is not None and v.get("claim") is not None]
+    tested = [i for i in claimed if verdicts[i].get("p_word") is not None]
+    size = max(size or 0, len(claimed))
+    adjusted = dict(zip(tested, holm_adjusted([verdicts[i]["p_word"] for i in tested] + [1.0] * (size - len(tested))),
+                        strict=False))
     out = list(verdicts)
-    for i, p in zip(tested, holm_adjusted([verdicts[i]["p_word"] for i in tested]), strict=True):
-        v = {**verdicts[i], "p_holm": p, "family": len(tested)}
-        if v["verdict"] in DECISIVE and p >= alpha:
-            why = f"not significant after Holm's correction over {len(tested)} comparisons"
-            v.update(verdict=INCONCLUSIVE if v["claim"] is not None else "not distinguishable",
-                     reason="; ".join(filter(None, [v["reason"], why])))
-            if v["claim"] is not None:
-                v["seeds_needed"] = seeds_needed(v)
+    for i in claimed:
+        p = adjusted.get(i)
+        v = {**verdicts[i], "p_holm": p, "family": name, "family_size": size, "family_here": len(claimed)}
+        if p is not None and v["verdict"] in DECISIVE and p >= alpha:
+            why = f"not significant after Holm's correction over the {size} claims of family {name}"
+            v.update(verdict=INCONCLUSIVE, reason="; ".join(filter(None, [v["reason"], why])))
+            v["seeds_needed"] = seeds_needed(v)
         out[i] = v
     return out
 
 
-def verdict_text(v: dict) -> str:
-    """A verdict as the tables print it: the word, then why, the seeds an inconclusive one would take, and its p
-    (Holm-adjusted, with the family's size, where the table holds more than one test)."""
+DEPENDS = "depends on the baseline's rate"
+
+
+def against_second_rate(v: dict, second: dict | None, rates: tuple[str, str]) -> dict:
+    """A verdict against the baseline at its best rate, with the word against the baseline at its second-best rate
+    (`second`: the same comparison there, None when the baseline has no held-out runs at it) beside it
+    (`verdict_second`): where the two words differ, the verdict is DEPENDS, both words said in its reason."""
+    if v.get("claim") is None:
+        return v
+    if second is None or "claim" not in second:
+        return {**v, "verdict_second": None,
+                "reason": "; ".join(filter(None, [v["reason"], "not checked against the baseline's second-best "
+                                                               "rate (no held-out runs there)"]))}
+    out = {**v, "verdict_second": second["verdict"]}
+    if second["verdict"] != v["verdict"]:
+        both = (f"{v['verdict']} against the baseline at its best rate {rates[0]}, {second['verdict']} at its "
+                f"second-best {rates[1]}")
+        out.update(verdict=DEPENDS, reason="; ".join(filter(None, [both, v["reason"]])))
+    return out
+
+
+def scale_text(setup: dict) -> str:
+    """The scale a word was measured at, from a sweep's setup: data, depth, width and tokens trained on, e.g.
+    "shakespeare_char, L 8, d 64, 1.2M tokens": a word at this scale says nothing of a paper's 125M-1B models."""
+    tokens = setup.get("tokens")
+    amount = "" if not tokens else next(f", {tokens / unit:.3g}{name} tokens" for unit, name in
+                                        ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, "")) if tokens >= unit or unit == 1)
+    return f"{setup.get('data', '?')}, L {setup.get('n_layer', '?')}, d {setup.get('n_embd', '?')}{amount}"
+
+
+def verdict_text(v: dict, scale: str | None = None) -> str:
+    """A verdict as the tables print it: the word (a claim's with the `scale` it was measured at), then why, the
+    seeds an inconclusive one would take, and its p: a claim's Holm-adjusted within its family, named with its
+    size (and how many of its claims this table tests, where fewer), a description's its own."""
     notes = [v["reason"]] if v.get("reason") else []
     if v["verdict"] == INCONCLUSIVE and v["claim"] is not None:
         target = "fit the interval inside ±δ" if v["claim"] == "on_par" else \
             "detect δ" if v["delta"] else "detect the observed Δ"
         notes.append(f"about {v['seeds_needed']} seeds per arm would {target}" if v["seeds_needed"] else
                      f"no number of seeds found to {target}")
-    if v.get("family", 1) > 1:
-        notes.append(f"Holm-adjusted p={v['p_holm']:.2g} over {v['family']}")
+    if "family" in v:
+        size, here = v["family_size"], v["family_here"]
+        named = f"family {v['family']}: {size} claim{'s' * (size != 1)}" + (f", {here} in this table" if here < size
+                                                                             else "")
+        p = "" if v["p_holm"] is None else f"; {'Holm-adjusted ' if size > 1 else ''}p={v['p_holm']:.2g}"
+        notes.append(named + p)
     elif v.get("p_word") is not None:
         notes.append(f"p={v['p_word']:.2g}")
-    return v["verdict"] + (f" ({'; '.join(notes)})" if notes else "")
+    word = v["verdict"] + (f" at {scale}" if scale and v["claim"] is not None else "")
+    return word + (f" ({'; '.join(notes)})" if notes else "")
