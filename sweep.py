@@ -1002,13 +1002,6 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
     coarse = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
-    if dry_run:
-        print_plan(coarse, points, select, seeds, refine, workers, threads)
-        return []
-    if isinstance(claims, Claims) and claims.path:
-        check_fixed_before_runs(out_root, claims, any(job["state"] != "new" for job in coarse))
-    record_selection_seeds(out_root, select)  # before any runs: a sweep stopped early keeps them out of verdicts
-    data = data_fingerprints(coarse)
     context = sweep_context(coarse[0]["argv"], len(seeds)) if coarse else {}
 
     def picked(selection: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
@@ -1019,6 +1012,24 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     def plan_at(point: dict, rates: list[str], on: list[int]) -> list[dict]:
         return plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: rates}, on, fixed, out_root, rerun,
                          (lr_key, ratios))
+
+    def refinement(selection: list[dict]) -> list[dict]:  # the rates at ×√3 around each point's coarse pick
+        return [job for c, point in zip(picked(selection)[1], points, strict=True) if refine and c["best_lr"]
+                for job in plan_at(point, refined_rates(c["best_lr"], lr_values), select)]
+
+    def held_out(selection: list[dict]) -> list[dict]:  # each point at its best rate, the baseline's second too
+        return [job for c, point in zip(picked(selection)[1], points, strict=True) if c["best_lr"] is not None
+                for job in plan_at(point, held_out_rates(c, point, baseline), seeds)]
+
+    if dry_run:
+        print_plan(coarse, refinement, held_out,
+                   len(points) * (len(seeds) + 2 * len(select) * refine) + len(seeds) * bool(baseline),
+                   workers, threads)
+        return []
+    if isinstance(claims, Claims) and claims.path:
+        check_fixed_before_runs(out_root, claims, any(job["state"] != "new" for job in coarse))
+    record_selection_seeds(out_root, select)  # before any runs: a sweep stopped early keeps them out of verdicts
+    data = data_fingerprints(coarse)
 
     def finish(selection: list[dict], held: list[dict], note: str | None = None) -> list[dict]:
         check_run_data(selection + held, data)
@@ -1045,13 +1056,10 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
     try:
         execute([job for job in coarse if job["state"] != "finished"], workers, threads)
         check_run_data(coarse, data)  # before more runs train on other data than picked their rates
-        if refine:
-            fine = [job for c, point in zip(picked(coarse)[1], points, strict=True) if c["best_lr"] is not None
-                    for job in plan_at(point, refined_rates(c["best_lr"], lr_values), select)]
-            execute([job for job in fine if job["state"] != "finished"], workers, threads)
-            check_run_data(coarse + fine, data)
-        held = [job for c, point in zip(picked(coarse + fine)[1], points, strict=True) if c["best_lr"] is not None
-                for job in plan_at(point, held_out_rates(c, point, baseline), seeds)]
+        fine = refinement(coarse)
+        execute([job for job in fine if job["state"] != "finished"], workers, threads)
+        check_run_data(coarse + fine, data)
+        held = held_out(coarse + fine)
         execute([job for job in held if job["state"] != "finished"], workers, threads)
     except LaunchFailed as e:
         finish(e.kept(coarse + fine), e.kept(held), e.note)
@@ -1108,18 +1116,29 @@ def finished_wall_times(jobs: list[dict]) -> list[float]:
             and isinstance(t := read_run_info(job["out_dir"]).get("wall_s"), (int, float))]
 
 
-def print_plan(coarse: list[dict], points: list[dict], select: list[int], seeds: list[int], refine: bool,
-               workers: int, threads: int) -> None:
-    """A dry run's plan: the runs of each phase (selection, refinement, held-out), the commands of the selection
-    runs left, and, from the finished runs' times, what is left to run (budget.plan_text)."""
-    pending = [job for job in coarse if job["state"] != "finished"]
-    phases = {"selection": (len(coarse), len(pending)),
-              "refinement (at most)": (2 * len(points) * len(select) if refine else 0, None),
-              "held-out (the baseline's second-best rate included)": (len(points) * len(seeds) + len(seeds), None)}
-    print(plan_text(phases, finished_wall_times(coarse), workers, CHILDREN.budget))
-    print(f"{workers} at a time with OMP_NUM_THREADS={threads}; the selection runs left:")
-    for job in pending:
-        print(shlex.join(["python", "train.py", *job["argv"]]))
+def print_plan(coarse: list[dict], refinement, held_out, later: int, workers: int, threads: int) -> None:
+    """A dry run's plan: the runs of each phase (selection, refinement, held-out) and how many are left, each
+    phase planned exactly once the one before it has run (`refinement`, `held_out`: its jobs from the selection
+    jobs), else counted at most (`later`); from the finished runs' times, how long the rest takes and how many calls
+    of --budget (budget.plan_text); then the commands of the selection runs left."""
+    def left(jobs: list[dict]) -> int:
+        return sum(job["state"] != "finished" for job in jobs)
+
+    phases, done = {"selection": (len(coarse), left(coarse))}, list(coarse)
+    if not left(coarse):
+        fine = refinement(coarse)
+        phases["refinement"], done = (len(fine), left(fine)), done + fine
+        if not left(fine):
+            held = held_out(coarse + fine)
+            phases["held-out"], done = (len(held), left(held)), done + held
+    if len(phases) < 3:
+        phases["later phases (at most)"] = (later, None)
+    print(plan_text(phases, finished_wall_times(done), workers, CHILDREN.budget))
+    print(f"{workers} at a time with OMP_NUM_THREADS={threads}"
+          + ("; the selection runs left:" if left(coarse) else ""))
+    for job in coarse:
+        if job["state"] != "finished":
+            print(shlex.join(["python", "train.py", *job["argv"]]))
 
 
 def run_setup(argv: list[str], n_seeds: int) -> dict:

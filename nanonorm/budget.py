@@ -22,6 +22,9 @@ def plan_text(phases: dict[str, tuple[int, int | None]], wall_times: list[float]
                      for name, (n, left) in phases.items())
     left = sum(n if left is None else left for n, left in phases.values())
     lines = [f"plan: {runs}; at most {left} runs left"]
+    if not left:
+        lines.append("nothing left to run: the same command writes the summary and the results")
+        return "\n".join(lines)
     if not wall_times:
         lines.append("time: no run has finished here yet, so the time a run takes is not known: a first call with "
                      "--budget measures it")
