@@ -409,6 +409,29 @@ def draw_lr_figure(sweep: dict, refs: dict[str, float], heading: str | None = No
     return fig
 
 
+def write_tables(results: str, out: str) -> str:
+    """--tables: every study's verdict tables (markdown, as `sweep.py --tables` prints them) and a learning-rate
+    figure per sweep, from the results files under `results` alone (nanonorm.results.study_tables), written to the
+    folder `out` as <study>.md and <study>_<sweep>.png; returns `out`."""
+    from nanonorm.results import ResultsError, study_tables
+    from nanonorm.run_files import write_atomically
+
+    try:
+        studies = study_tables(results)
+    except ResultsError as e:
+        raise PlotError(str(e)) from None
+    os.makedirs(out, exist_ok=True)
+    for study, text, tables in studies:
+        write_atomically(os.path.join(out, f"{study}.md"), text.encode())
+        for name, data, table in tables:
+            drawn = {"runs": [{**r, "root": name} for r in data["runs"]],
+                     "lr_points": [{**p, "root": name} for p in table],
+                     "setup": data.get("setup"), "lr_key": data["lr_key"], "keys": data["keys"]}
+            refs = {"unigram (context ignored)": data["unigram_loss"]} if data.get("unigram_loss") is not None else {}
+            save(draw_lr_figure(drawn, refs, f"{study}: {name}"), os.path.join(out, f"{study}_{name}.png"), dpi=110)
+    return out
+
+
 def draw_depth(roots: list[str], heading: str | None = None):
     """Against the depth n_layer, one line per arm: its held-out mean ± std at that depth's best rate (left) and
     its learning-rate sensitivity on the selection seed (right), from sweep.py --lr_grid out_roots at several
@@ -476,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--lr_sweep the --out_root of sweep.py --lr_grid runs")
     parser.add_argument("--lr_sweep", action="store_true", help="draw final val loss against learning rate "
                         "from sweep.py --lr_grid out_roots (their summary.json)")
+    parser.add_argument("--tables", action="store_true", help="from the results files under one folder (sweep.py "
+                        "--results: a study per folder) alone, write every study's verdict tables (<study>.md) and a "
+                        "learning-rate figure per sweep (<study>_<sweep>.png) to the folder --out (default: tables)")
     parser.add_argument("--depth", action="store_true", help="draw each arm's best held-out loss and its "
                         "learning-rate sensitivity against n_layer from sweep.py --lr_grid out_roots at several depths")
     parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
@@ -545,6 +571,12 @@ def plot_from_args(args: argparse.Namespace) -> str:
         check_title(args.title)
     if args.depth and args.lr_sweep:
         raise PlotError("--depth and --lr_sweep draw different figures: give one")
+    if args.tables and (args.depth or args.lr_sweep):
+        raise PlotError("--tables draws every sweep's own figure; give it without --depth and --lr_sweep")
+    if args.tables:
+        if len(args.out_dirs) != 1:
+            raise PlotError("--tables reads one results folder (its subfolders are the studies); give one")
+        return write_tables(args.out_dirs[0], args.out if args.out != "runs.png" else "tables")
     if args.depth:
         return save(draw_depth(args.out_dirs, heading=args.title), args.out if args.out != "runs.png" else "depth.png",
                     dpi=110)

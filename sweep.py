@@ -8,31 +8,38 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post,geonorm --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \\
-        --select_seeds 0 --seeds 1,2,3,4,5 --baseline norm_scheme=pre --out_root out/lr \\
-        --row_claim norm_scheme=geonorm:lower:0.05 norm_scheme=post:none    # each scheme at its own best rate
+        --select_seeds 0,6,7 --seeds 1,2,3,4,5 --claims claims/depth.json --out_root out/lr \\
+        --results results/cpu_base                                      # each scheme at its own best rate
+    python plot.py --tables results/ --out tables/         # every table and figure again, from results/ alone
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
 
-With --lr_grid, every grid point runs every rate on the selection seeds (--select_seeds; default one seed not in
---seeds); the rate with the lowest final val loss (mean over them) is its best (a diverged or crashed run ranks
-its rate last and stays in the table); the held-out --seeds run at the best rate only, and they alone enter the
-mean ± std and the verdicts: a seed that picked the rate never does (the winner's curse). The table
-gives each point's best rate, mean ± std (n) at it, the rates that diverged, the learning-rate sensitivity, and
-a warning when the best rate is an edge of the grid or failed on a held-out seed. With --baseline, `verdict`
-(below) compares each point's held-out losses at its best rate with the baseline's (paired by seed) for the
-claim the point's paper makes against the baseline: --claim lower|higher by --delta (the paper's effect size),
-on_par within ±--delta, or none (a description, not a verdict), and --row_claim POINT:CLAIM[:DELTA] for a point
-of its own. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word:
-reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would take),
-Holm-corrected over the table's rows. A decisive word needs 5 held-out seeds in each arm, a grid of at least 5
-distinct rates and each arm's best rate inside it, not on an edge (a single rate is its own edge): otherwise
-the word is "inconclusive at this scale" and the table says why. An arm that trained at no rate gets "no
-verdict: trained at no rate". Two rates (muon, manifold_muon):
+With --lr_grid (docs/comparing.md), every grid point runs every rate on the selection seeds (--select_seeds;
+default three seeds not in --seeds); the rate with the lowest final val loss (mean over them) is its pick (a
+diverged or crashed run ranks its rate last and stays in the table); the two rates at ×√3 around the pick run on
+the same seeds (--no-refine: not), and the finer grid's best is the point's rate; the held-out --seeds run at it
+only (the baseline's also at its second-best rate), and they alone enter the mean ± std and the verdicts: a seed
+that selected a rate never does, in this folder ever (selection_seeds.json keeps them; such a held-out seed is
+refused). With a baseline (--baseline, or the claims file's), `verdict` (nanonorm/verdict.py) compares each
+point's held-out losses with the baseline's (paired on the seeds both share) for what the point's paper claims
+against it: from --claims FILE (nanonorm/claims.py: written before the runs and kept in out_root/claims.json; a
+file changed since is refused), or ad hoc by --claim lower|higher|on_par|none with --delta and --row_claim
+POINT:CLAIM[:DELTA]. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word at
+its scale: reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would
+take), Holm-corrected within its family (one paper's claims; the ad hoc claims are one family), and the word
+against the baseline's second-best rate ("depends on the baseline's rate" where the two differ). A decisive word
+needs 5 held-out runs that finished in each arm (divergence: Fisher's test), a grid of at least 5 distinct rates,
+each best rate inside it (not on an edge, not next to a cliff: a rate that diverged or ended within 0.05 nats of
+the unigram loss) and picked on 3 selection seeds: otherwise the word is "inconclusive at this scale" and the
+table says why. An arm that trained at no rate gets "no verdict: trained at no rate". The per-run numbers go to
+out_root/results.jsonl (and --results DIR), from which --tables regenerates the tables. --budget SECONDS ends a
+call's runs with a save when its time is spent (exit 4); the same command continues (--dry_run prints the plan).
+Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
 of another setup says what differs in place of a verdict. Sweeps trained on different data (the data fingerprints
 their summaries record differ) are refused, naming both. Its rows are described, not judged, unless --claim or
---row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
-trailing slash, a symlink) is read once.
+--row_claim (or --claims) states what their papers claim (a --row_claim that matches no row is refused). A root
+given twice (a trailing slash, a symlink) is read once.
 
 Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
 grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
@@ -60,11 +67,11 @@ A grid value that would make a run folder's name longer than the file system tak
 starts. A run that cannot be launched or whose run.json cannot be written (an OSError: a full disk) is reported in
 its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
 Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
-launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or
-a run folder in use; 130 on Ctrl-C or SIGINT, 143 on SIGTERM, 129 on SIGHUP (a closed terminal), to the sweep
-alone or its process group: the sweep passes it on to its running runs as SIGTERM, on which they save their last
-iteration and stop, waits for them (however many signals follow: no run is left running), starts
-nothing more, and the same command continues the sweep.
+launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or a
+run folder in use, 4 when --budget ran out (the same command continues); 130 on Ctrl-C or SIGINT, 143 on SIGTERM,
+129 on SIGHUP (a closed terminal), to the sweep alone or its process group: the sweep passes it on to its running
+runs as SIGTERM, on which they save their last iteration and stop, waits for them (however many signals follow: no
+run is left running), starts nothing more, and the same command continues the sweep.
 """
 
 from __future__ import annotations
@@ -97,25 +104,26 @@ from nanonorm.claims import (
     ClaimsError,
     check_fixed_before_runs,
     committed_state,
-    parse_claims_text,
     read_claims,
 )
 from nanonorm.lr_table import (
+    VERDICT_COLUMNS,
     add_verdicts,
     as_claims,
     comparison,
     crashed,
     final_loss,
     first_seed_runs,
+    format_table,
     grid_shortfall,
     held_out_losses,
     lr_sensitivity,
     lr_table,
-    lr_table_tests,
     matches,
     pick_best,
+    point_table_text,
 )
-from nanonorm.results import ResultsError, read_results, study_files, write_results
+from nanonorm.results import ResultsError, study_tables, write_results
 from nanonorm.resume import data_fingerprint, fingerprint_changes
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
@@ -151,18 +159,6 @@ from nanonorm.verdict import verdict as verdict  # sweep.verdict: the rule, wher
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged", 4: "stopped with a save (it resumes)"}
-COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val loss", "{:.4f}"),  # (header, format)
-           "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
-           "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
-           "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
-           "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
-           "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
-           "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
-           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
-           "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
-           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}"),
-           "verdict_second": ("vs the baseline's second-best rate", "{}")}
-VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
 NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
               "(README, Comparing runs); --lr_grid runs each arm at its own best rate and gives the verdict rule's "
               "word")
@@ -781,22 +777,6 @@ def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None) -
     return out
 
 
-def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """A Markdown table with aligned columns; None and NaN show as "-"."""
-    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
-
-    def cell(key: str, value: object) -> str:
-        if value is None or isinstance(value, float) and math.isnan(value):
-            return "-"
-        default = "{:.4g}" if isinstance(value, float) else "{}"  # extra metrics
-        return COLUMNS.get(key, (key, default))[1].format(value)
-
-    table = [[COLUMNS.get(c, (c,))[0] for c in columns]] + [[cell(c, row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-    lines = ["| " + " | ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)) + " |" for line in table]
-    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
-
-
 def busy_runs(jobs: list[dict]) -> list[str]:
     """The out_dirs of the jobs whose folder lock another process holds (a train.py started by hand, or left
     running by a sweep that was killed); the lock is taken and released at once. A folder that was never
@@ -1228,21 +1208,6 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
                         {**recorded, "lr_key": lr_key, "keys": keys, "runs": rows, "lr_points": table})
 
 
-def point_columns(table: list[dict], keys: list[str]) -> list[str]:
-    """The columns of a sweep's per-point table: the grid values, best rate, mean ± std, the rates that failed,
-    sensitivity and, with a baseline, the comparison's (VERDICT_COLUMNS) and the word at the baseline's
-    second-best rate."""
-    judged = any("verdict" in r for r in table)
-    return [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
-            *(VERDICT_COLUMNS if judged else []), *(["verdict_second"] if judged else []), "edge_warning"]
-
-
-def point_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str:
-    """A sweep's per-point table under a line that states its scale: every word in it was measured there."""
-    scale = f"Scale: {scale_text(setup)}.\n\n" if setup else ""
-    return scale + format_table(table, point_columns(table, keys))
-
-
 def val_loss_at(out_dir: str, iteration: int) -> float | None:
     """A run's val loss at the evaluation of `iteration` (None if it logged none there); +inf after a divergence."""
     records = load_metrics(out_dir)
@@ -1483,81 +1448,10 @@ def check_claimed_rows(points: list[dict], claims: Claims) -> None:
 # ----------------------------------------------------------------------------- tables from the results files
 
 
-def results_tables(folder: str, out: str | None = None) -> str:
-    """The verdict tables of every study under a results folder (results.study_files: its *.jsonl, and each
-    subfolder's), from those files alone: each sweep's table as the sweep printed it, its claims Holm-corrected
-    within each family over the whole study. Returns the markdown; with `out`, writes <study>.md there and a
-    learning-rate figure per sweep (<study>_<sweep>.png)."""
-    texts = []
-    for study, files in study_files(folder).items():
-        sweeps = [(os.path.splitext(os.path.basename(path))[0], read_results(path)) for path in files]
-        families: dict[str, tuple[Claims, list[dict]]] = {}
-        tables = []
-        for name, data in sweeps:
-            claims = recorded_claims(data, name)
-            table, tests = table_of_results(data, claims)
-            key = claims.sha256 or f"ad hoc claims of {name}"  # a claims file's families span the study
-            families.setdefault(key, (claims, []))[1].extend(tests)
-            tables.append((name, data, table))
-        for claims, tests in families.values():
-            add_verdicts(tests, claims)
-        text = study_text(study, tables)
-        texts.append(text)
-        if out:
-            write_study(out, study, text, tables)
-    return "\n\n".join(texts)
-
-
-def recorded_claims(data: dict, name: str) -> Claims:
-    """The claims a results file recorded: its claims file's text, or its ad hoc claims."""
-    if data.get("claims"):
-        try:
-            return parse_claims_text(data["claims"]["text"], data["claims"]["path"])
-        except (ClaimsError, KeyError, TypeError) as e:
-            raise SweepError(f"{name}: the claims it records cannot be read ({e}); restore the file from git") from None
-    return as_claims([tuple(c) for c in data.get("ad_hoc_claims") or []])
-
-
-def table_of_results(data: dict, claims: Claims) -> tuple[list[dict], list[dict]]:
-    """A results file's per-point table and its tests (lr_table_tests), each point's rate picked on its selection
-    runs as the sweep picked it."""
-    keys, lr_key, select = data["keys"], data["lr_key"], data["select_seeds"]
-    rows = data["runs"]
-    points = data.get("points") or list({tuple(str(r[k]) for k in keys): {k: r[k] for k in keys} for r in rows}
-                                        .values())
-    choice = [{**p, **pick_best([r for r in rows if matches(r, p) and r["seed"] in select], lr_key,
-                                unigram=data.get("unigram_loss"))} for p in points]
-    return lr_table_tests(rows, choice, keys, lr_key, data.get("baseline"), claims, select, data.get("unigram_loss"),
-                          data.get("settings"), data.get("setup"))
-
-
-def study_text(study: str, tables: list[tuple[str, dict, list[dict]]]) -> str:
-    """A study's tables in markdown: per sweep its title, its seeds and claims, and its per-point table under the
-    scale its words were measured at."""
-    parts = [f"# {study}"]
-    for name, data, table in tables:
-        claims = data.get("claims")
-        said = f"claims: {claims['path']} ({claims['state']})" if claims else "claims: ad hoc, on the command line" \
-            if data.get("ad_hoc_claims") else "no claims: rows described"
-        parts += [f"## {name}", data["title"] + ".",
-                  f"Rates picked on seeds {data['select_seeds']}, held-out seeds {data['held_out_seeds']}; {said}.",
-                  point_table_text(table, data["keys"], data.get("setup"))]
-    return "\n\n".join(parts) + "\n"
-
-
-def write_study(out: str, study: str, text: str, tables: list[tuple[str, dict, list[dict]]]) -> None:
-    """<study>.md and a learning-rate figure per sweep (<study>_<sweep>.png) in `out`."""
-    import plot
-
-    os.makedirs(out, exist_ok=True)
-    write_atomically(os.path.join(out, f"{study}.md"), text.encode())
-    for name, data, table in tables:
-        merged = {"runs": [{**r, "root": name} for r in data["runs"]],
-                  "lr_points": [{**p, "root": name} for p in table],
-                  "setup": data.get("setup"), "lr_key": data["lr_key"], "keys": data["keys"]}
-        refs = {"unigram (context ignored)": data["unigram_loss"]} if data.get("unigram_loss") is not None else {}
-        fig = plot.draw_lr_figure(merged, refs, f"{study}: {name}")
-        fig.savefig(os.path.join(out, f"{study}_{name}.png"), dpi=120)
+def results_tables(folder: str) -> str:
+    """--tables: the verdict tables (markdown) of every study under a results folder, from its files alone
+    (results.study_tables); plot.py --tables writes them with a learning-rate figure per sweep."""
+    return "\n\n".join(text for _, text, _ in study_tables(folder))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1609,9 +1503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", metavar="DIR", help="with --lr_grid: also write the sweep's per-run numbers to "
                         "DIR/<out_root's name>.jsonl (a study's folder of results, kept in git)")
     parser.add_argument("--tables", metavar="DIR", help="print the verdict tables of the results files under DIR (its "
-                        "*.jsonl and each subfolder's: one study each) from those files alone, and stop")
-    parser.add_argument("--tables_out", metavar="DIR", help="with --tables: write <study>.md and a learning-rate "
-                        "figure per sweep to DIR")
+                        "*.jsonl and each subfolder's: one study each) from those files alone, and stop (plot.py "
+                        "--tables DIR --out OUT writes them with their figures)")
     parser.add_argument("--budget", type=float, metavar="SECONDS", help="run runs for at most this long in this call "
                         f"(a GPU's lease): at the end the running runs save and stop, the sweep exits {BUDGET_EXIT}, "
                         "and the same command continues; with --jobs N, N runs share the device at a time")
@@ -1682,7 +1575,7 @@ def run_commands(args: argparse.Namespace) -> int:
                              "a verdict, e.g. --select_seeds 0 --seeds 1,2,3,4,5 (for --lr_seeds 2 --seeds 1,2,3: "
                              "--select_seeds 1,2 --seeds 3 and more held-out seeds)")
         if args.tables:
-            print(results_tables(args.tables, args.tables_out), end="")
+            print(results_tables(args.tables), end="")
             return 0
         claims, baseline = parse_claims(args)
         if args.leaderboard:

@@ -283,3 +283,52 @@ def lr_table_tests(rows: list[dict], choice: list[dict], keys: list[str], lr_key
                         scale_text({**setup, **row}) if setup else None)
              for row in table if base is not None and row is not base]
     return table, tests
+
+
+# ----------------------------------------------------------------------------- as the tables print them
+
+COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val loss", "{:.4f}"),  # (header, format)
+           "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
+           "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
+           "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
+           "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
+           "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
+           "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
+           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
+           "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
+           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}"),
+           "verdict_second": ("vs the baseline's second-best rate", "{}")}
+VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A Markdown table with aligned columns; None and NaN show as "-"."""
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+
+    def cell(key: str, value: object) -> str:
+        if value is None or isinstance(value, float) and math.isnan(value):
+            return "-"
+        default = "{:.4g}" if isinstance(value, float) else "{}"  # extra metrics
+        return COLUMNS.get(key, (key, default))[1].format(value)
+
+    table = [[COLUMNS.get(c, (c,))[0] for c in columns]] + [[cell(c, row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["| " + " | ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)) + " |" for line in table]
+    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
+
+
+
+
+def point_columns(table: list[dict], keys: list[str]) -> list[str]:
+    """The columns of a sweep's per-point table: the grid values, best rate, mean ± std, the rates that failed,
+    sensitivity and, with a baseline, the comparison's (VERDICT_COLUMNS) and the word at the baseline's
+    second-best rate."""
+    judged = any("verdict" in r for r in table)
+    return [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
+            *(VERDICT_COLUMNS if judged else []), *(["verdict_second"] if judged else []), "edge_warning"]
+
+
+def point_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str:
+    """A sweep's per-point table under a line that states its scale: every word in it was measured there."""
+    scale = f"Scale: {scale_text(setup)}.\n\n" if setup else ""
+    return scale + format_table(table, point_columns(table, keys))

@@ -16,6 +16,8 @@ import math
 import os
 import time
 
+from nanonorm.claims import Claims, ClaimsError, parse_claims_text
+from nanonorm.lr_table import add_verdicts, as_claims, lr_table_tests, matches, pick_best, point_table_text
 from nanonorm.run_files import write_atomically
 
 RESULTS_NAME = "results.jsonl"  # in an out_root; a copy goes to --results DIR as <out_root's name>.jsonl
@@ -111,3 +113,65 @@ def study_files(folder: str) -> dict[str, list[str]]:
     if not studies:
         raise ResultsError(f"--tables {folder}: no results files (*.jsonl) in it or its subfolders")
     return studies
+
+
+# ----------------------------------------------------------------------------- the tables, from the results alone
+
+
+def study_tables(folder: str) -> list[tuple[str, str, list[tuple[str, dict, list[dict]]]]]:
+    """(study, its markdown, [(sweep, its results, its per-point table)]) of every study under a results folder
+    (study_files: its *.jsonl, and each subfolder's), from those files alone: each sweep's table as the sweep printed
+    it, its claims Holm-corrected within each family over the whole study (a claims file's families span its
+    sweeps; ad hoc claims are a family of one sweep's rows)."""
+    out = []
+    for study, files in study_files(folder).items():
+        families: dict[str, tuple[Claims, list[dict]]] = {}
+        tables = []
+        for path in files:
+            name, data = os.path.splitext(os.path.basename(path))[0], read_results(path)
+            claims = recorded_claims(data, name)
+            table, tests = table_of_results(data, claims)
+            families.setdefault(claims.sha256 or f"ad hoc claims of {name}", (claims, []))[1].extend(tests)
+            tables.append((name, data, table))
+        for claims, tests in families.values():
+            add_verdicts(tests, claims)
+        out.append((study, study_text(study, tables), tables))
+    return out
+
+
+def recorded_claims(data: dict, name: str) -> Claims:
+    """The claims a results file recorded: its claims file's text, or its ad hoc claims."""
+    if data.get("claims"):
+        try:
+            return parse_claims_text(data["claims"]["text"], data["claims"]["path"])
+        except (ClaimsError, KeyError, TypeError) as e:
+            raise ResultsError(f"{name}: the claims it records cannot be read ({e}); restore the file from git") \
+                from None
+    return as_claims([tuple(c) for c in data.get("ad_hoc_claims") or []])
+
+
+def table_of_results(data: dict, claims: Claims) -> tuple[list[dict], list[dict]]:
+    """A results file's per-point table and its tests (lr_table_tests), each point's rate picked on its selection
+    runs as the sweep picked it."""
+    keys, lr_key, select = data["keys"], data["lr_key"], data["select_seeds"]
+    rows = data["runs"]
+    points = data.get("points") or list({tuple(str(r[k]) for k in keys): {k: r[k] for k in keys} for r in rows}
+                                        .values())
+    choice = [{**p, **pick_best([r for r in rows if matches(r, p) and r["seed"] in select], lr_key,
+                                unigram=data.get("unigram_loss"))} for p in points]
+    return lr_table_tests(rows, choice, keys, lr_key, data.get("baseline"), claims, select, data.get("unigram_loss"),
+                          data.get("settings"), data.get("setup"))
+
+
+def study_text(study: str, tables: list[tuple[str, dict, list[dict]]]) -> str:
+    """A study's tables in markdown: per sweep its title, its seeds and claims, and its per-point table under the
+    scale its words were measured at."""
+    parts = [f"# {study}"]
+    for name, data, table in tables:
+        claims = data.get("claims")
+        said = f"claims: {claims['path']} ({claims['state']})" if claims else "claims: ad hoc, on the command line" \
+            if data.get("ad_hoc_claims") else "no claims: rows described"
+        parts += [f"## {name}", data["title"] + ".",
+                  f"Rates picked on seeds {data['select_seeds']}, held-out seeds {data['held_out_seeds']}; {said}.",
+                  point_table_text(table, data["keys"], data.get("setup"))]
+    return "\n\n".join(parts) + "\n"

@@ -105,9 +105,13 @@ def edge_of(by_rate: dict[float, list[float]], best: float, unigram: float | Non
     return None
 
 
+UNIGRAM_TOKENS = 2**27  # train tokens the unigram frequencies are counted over (all of a small corpus)
+
+
 def unigram_loss(data_dir: str, dataset: str) -> float | None:
-    """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss of a
-    model that ignores the context. None if the dataset is not prepared there."""
+    """Val cross-entropy (nats per token) of the train split's token frequencies (over its first UNIGRAM_TOKENS),
+    add-one smoothed: the loss of a model that ignores the context. None if the dataset is not prepared there.
+    Counted in chunks, so that a corpus of billions of tokens is read, not held in memory."""
     import numpy as np
 
     import prepare_data
@@ -117,7 +121,14 @@ def unigram_loss(data_dir: str, dataset: str) -> float | None:
         meta = prepare_data.load_meta(folder)
     except (OSError, ValueError):
         return None
-    counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
-                          minlength=meta["vocab_size"]) for split in ("train", "val")]
-    p = (counts[0] + 1) / (counts[0].sum() + len(counts[0]))
-    return float(-(counts[1] * np.log(p)).sum() / counts[1].sum())
+
+    def counts(split: str, limit: int | None = None) -> np.ndarray:
+        tokens = np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r")[:limit]
+        total = np.zeros(meta["vocab_size"], dtype=np.int64)
+        for start in range(0, len(tokens), 2**24):
+            total += np.bincount(tokens[start:start + 2**24], minlength=meta["vocab_size"])[:meta["vocab_size"]]
+        return total
+
+    train, val = counts("train", UNIGRAM_TOKENS), counts("val")
+    p = (train + 1) / (train.sum() + len(train))
+    return float(-(val * np.log(p)).sum() / val.sum())

@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, tiny_run_args
 from test_sweep_rules import BASE, PRE, RATES, curve, lr_sweep, shifted
 
+import plot
 import sweep
 import train
 from nanonorm import verdict as rule
@@ -175,8 +176,8 @@ def test_claims_changed_after_the_runs_began_are_refused(tmp_path, monkeypatch, 
 
 
 def test_the_tables_regenerate_from_the_results_files_alone(tmp_path, monkeypatch, capsys):
-    """A sweep writes its per-run numbers to --results; with the run folders gone, `--tables` prints the per-point
-    table the sweep printed, and writes it with a figure per sweep."""
+    """A sweep writes its per-run numbers to --results; with the run folders gone, `sweep.py --tables` prints the
+    per-point table the sweep printed, and `plot.py --tables` writes it with a figure per sweep."""
     monkeypatch.setattr(sweep, "launch", standing_in(lambda lr, seed, scheme: 2.0 + 0.3 * math.log10(lr / 1.6e-3) ** 2
                                                      + 0.01 * seed - 0.05 * (scheme == "post")))
     path = claims_file(tmp_path / "claims.json", [{"row": {"norm_scheme": "post"}, "claim": "lower", "delta": 0.02,
@@ -189,10 +190,11 @@ def test_the_tables_regenerate_from_the_results_files_alone(tmp_path, monkeypatc
     summary = (root / "summary.md").read_text()
     shutil.rmtree(tmp_path / "out")
     capsys.readouterr()
-    assert sweep.main(["--tables", str(tmp_path / "results"), "--tables_out", str(tmp_path / "tables")]) == 0
+    assert sweep.main(["--tables", str(tmp_path / "results")]) == 0
     printed = capsys.readouterr().out
     table = printed[printed.index("Scale:"):].strip()
     assert table in summary and "reproduced at shakespeare_char, L 4, d 128" in table
+    assert plot.main(["--tables", str(tmp_path / "results"), "--out", str(tmp_path / "tables")]) == 0  # and figures
     assert (tmp_path / "tables" / "study.md").read_text() == printed
     assert (tmp_path / "tables" / "study_lr.png").stat().st_size > 0
 
@@ -212,7 +214,7 @@ flags = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))  # train.py saves and exits 4
 with open(os.path.join(os.path.dirname(flags["out_dir"]), "starts.log"), "a") as f:
     f.write(flags["out_dir"] + "\\n")
-time.sleep(0.4)
+time.sleep(0.5)
 lr = float(flags["learning_rate"])
 with open(os.path.join(flags["out_dir"], "metrics.jsonl"), "w") as f:
     for i, x in ((0, 4.0), (int(flags["max_iters"]), 2.0 + abs(lr - 3e-3) * 10 + 0.01 * int(flags["seed"]))):
@@ -221,7 +223,7 @@ with open(os.path.join(flags["out_dir"], "metrics.jsonl"), "w") as f:
 
 
 def test_a_budget_stops_the_runs_and_the_same_command_continues(tmp_path, monkeypatch, capsys):
-    """--budget 1 with runs of 0.4 s: each call runs a run or two, stops the one running at the end (SIGTERM),
+    """--budget 2.5 with runs of 0.5 s: each call runs a few, stops the one running at the end (SIGTERM),
     exits 4, and the same command goes on until the table is complete (exit 0), every run finished once. A dry run
     first prints the plan of each phase, then, with runs finished, the time they take."""
     stub = tmp_path / "stub_train.py"
@@ -229,7 +231,7 @@ def test_a_budget_stops_the_runs_and_the_same_command_continues(tmp_path, monkey
     monkeypatch.setattr(sweep, "TRAIN", str(stub))
     root = tmp_path / "lr"
     command = [CONFIG, "--set", "max_iters=4", "--lr_grid", "1e-3,3e-3,1e-2", "--select_seeds", "0",
-               "--seeds", "1,2", "--jobs", "1", "--out_root", str(root), "--budget", "1"]
+               "--seeds", "1,2", "--jobs", "1", "--out_root", str(root), "--budget", "2.5"]
     assert sweep.main([*command, "--dry_run"]) == 0
     plan = capsys.readouterr().out
     assert "selection: 3 runs (3 left)" in plan and "later phases (at most): 4 runs" in plan and "not known" in plan
@@ -292,3 +294,11 @@ def test_a_tiny_lr_grid_sweep_runs_the_protocol_to_its_verdict_table(data_dir, t
     shutil.rmtree(root)
     assert sweep.main(["--tables", str(results)]) == 0
     assert post["verdict"] in capsys.readouterr().out
+
+
+def test_the_committed_claims_files_read_and_name_their_families():
+    """claims/*.json are fixed before their studies' runs: each reads as a claims file, one claim per row."""
+    for name in os.listdir(os.path.join(ROOT, "claims")):
+        claims = sweep.read_claims(os.path.join(ROOT, "claims", name))
+        rows = [tuple(sorted(c.row.items())) for c in claims.claims]
+        assert len(rows) == len(set(rows)) and all(claims.family_size(c.family) >= 1 for c in claims.claims)
