@@ -960,14 +960,14 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
                  baseline: dict | None = None, claims: Claims | list | None = None, dry_run: bool = False,
                  extra: list[str] | None = None, select_seeds: list[int] | None = None, refine: bool = True,
                  results: str | None = None) -> list[dict]:
-    """Each grid point at its own best learning rate, judged on seeds that did not pick it (docs/comparing.md):
-    every rate runs on the selection seeds (`select_seeds`; default: three not in `seeds` nor earlier held out,
-    selection.default_select_seeds), each point's coarse pick (the lowest mean final val loss over them; a diverged
-    run ranks its rate last) is refined by the two rates at ×√3 around it on the same seeds (`refine`), and the
-    held-out `seeds` run at the finer grid's best only (the baseline's at its second-best too). The mean ± std
-    and the verdicts against `baseline` (each point's claim from `claims`) use the held-out seeds alone. A seed
-    that selected a rate in out_root before is refused as a held-out seed. Writes the summary, out_root/results.jsonl
-    and, with `results`, a copy there; returns one row per grid point."""
+    """Each grid point at its own best learning rate, judged on seeds that did not pick it (docs/comparing.md): every
+    rate runs on the selection seeds (`select_seeds`; default: selection.default_select_seeds, the folder's
+    earlier selection seeds, else three not in `seeds`), each point's coarse pick (the lowest mean final val loss
+    over them; a diverged run ranks its rate last) is refined by the two rates at ×√3 around it on the same seeds
+    (`refine`), and the held-out `seeds` run at the finer grid's best only (the baseline's at its second-best
+    too). The mean ± std and the verdicts against `baseline` (each point's claim from `claims`) use the held-out
+    seeds alone. A seed that selected a rate in out_root before is refused as a held-out seed. Writes the
+    summary, out_root/results.jsonl and, with `results`, a copy there; returns one row per grid point."""
     fixed = dict(fixed or {})
     if not str(fixed.get("seed", 0)).isdigit():
         raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
@@ -1007,7 +1007,7 @@ def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_ke
                    workers, threads)
         return []
     if isinstance(claims, Claims) and claims.path:
-        check_fixed_before_runs(out_root, claims, any(job["state"] != "new" for job in coarse))
+        check_fixed_before_runs(out_root, claims, any(os.path.isdir(job["out_dir"]) for job in coarse))
     record_selection_seeds(out_root, select)  # before any runs: a sweep stopped early keeps them out of verdicts
     data = data_fingerprints(coarse)
 
@@ -1582,7 +1582,10 @@ def run_commands(args: argparse.Namespace) -> int:
             print_leaderboard(args.leaderboard, baseline, claims)
             return 0
         if args.config is None:
-            raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")
+            raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ..., or --tables RESULTS")
+        if not args.lr_grid and (args.claims or args.results):
+            raise SweepError(f"{'--claims' if args.claims else '--results'} goes with --lr_grid: a grid at one rate "
+                             "gives no verdict and writes no results; give --lr_grid RATES")
         grid = {k: distinct_values(v, f"--grid {k}") for k, v in parse_assignments(args.grid, "--grid").items()}
         if baseline and not in_grid(baseline, grid):
             if not claims.path:

@@ -24,6 +24,7 @@ from nanonorm.selection import SELECTION_RECORD
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "results")
+DEPTH_CLAIMS = os.path.join(ROOT, "claims", "depth.json")
 
 
 def standing_in(loss=lambda lr, seed, scheme: 2.0 + 0.3 * (math.log10(lr / 1.6e-3)) ** 2 + 0.01 * seed):
@@ -200,8 +201,10 @@ def test_the_tables_regenerate_from_the_results_files_alone(tmp_path, monkeypatc
 
 
 def test_the_committed_results_fixture_regenerates_its_tables_byte_for_byte(capsys):
-    """tests/fixtures/results holds two sweeps of one study (depths 2 and 4, one claims file over both): the
-    tables command gives tests/fixtures/results_tables.md exactly."""
+    """tests/fixtures/results holds two sweeps of one study (depths 2 and 4, one claims file over both, made with
+    runs standing in for train.py): the tables command gives tests/fixtures/results_tables.md exactly. A change to
+    how tables print changes both: `python sweep.py --tables tests/fixtures/results > tests/fixtures/results_tables.md`
+    after checking the difference."""
     assert sweep.main(["--tables", FIXTURE]) == 0
     assert capsys.readouterr().out == pathlib.Path(ROOT, "tests", "fixtures", "results_tables.md").read_text()
 
@@ -302,3 +305,18 @@ def test_the_committed_claims_files_read_and_name_their_families():
         claims = sweep.read_claims(os.path.join(ROOT, "claims", name))
         rows = [tuple(sorted(c.row.items())) for c in claims.claims]
         assert len(rows) == len(set(rows)) and all(claims.family_size(c.family) >= 1 for c in claims.claims)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "0"], "--budget 0"),
+    (["--tables", "no_such_folder"], "no such folder"),
+    (["--results", "results"], "--results goes with --lr_grid"),
+    (["--claims", DEPTH_CLAIMS], "--claims goes with --lr_grid"),
+    (["--lr_grid", "1e-3", "--claims", DEPTH_CLAIMS, "--row_claim", "norm_scheme=pre:none"], "not both"),
+    (["--lr_grid", "1e-3", "--claims", DEPTH_CLAIMS, "--baseline", "norm_scheme=post"], "not the baseline"),
+])
+def test_bad_protocol_input_exits_2_with_one_line(tmp_path, capsys, flags, message):
+    assert sweep.main([CONFIG, "--grid", "norm_scheme=pre,post", "--out_root", str(tmp_path), "--dry_run",
+                       *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
