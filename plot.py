@@ -213,13 +213,12 @@ def draw(out_dirs: list[str], metrics: list[str], x: str = "iter", logy: bool = 
 
 
 def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) -> float | None:
-    """Val cross-entropy (nats per token) of the train split's token frequencies, add-one smoothed: the loss
-    of a model that ignores the context. None if the dataset is not prepared, or (with `trained_on`, the data
-    fingerprint a sweep recorded) prepared again since from other data, which a note on stdout says."""
-    import numpy as np
-
+    """The unigram loss of a dataset (nanonorm.selection.unigram_loss: the loss of a model that ignores the
+    context). None if the dataset is not prepared, or (with `trained_on`, the data fingerprint a sweep recorded)
+    prepared again since from other data, which a note on stdout says."""
     import prepare_data
     from nanonorm.resume import data_fingerprint, fingerprint_changes
+    from nanonorm.selection import unigram_loss as loss_of_frequencies
 
     folder = os.path.join(data_dir, dataset)
     try:
@@ -230,10 +229,7 @@ def unigram_loss(data_dir: str, dataset: str, trained_on: dict | None = None) ->
         print(f"note: no unigram line: {folder} was prepared again since the sweep trained on it "
               f"({', '.join(changed)})")
         return None
-    counts = [np.bincount(np.memmap(os.path.join(folder, f"{split}.bin"), dtype=meta["dtype"], mode="r"),
-                          minlength=meta["vocab_size"]) for split in ("train", "val")]
-    p = (counts[0] + 1) / (counts[0].sum() + len(counts[0]))
-    return float(-(counts[1] * np.log(p)).sum() / counts[1].sum())
+    return loss_of_frequencies(data_dir, dataset)
 
 
 def read_lr_sweep(root: str) -> dict:
@@ -321,19 +317,28 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     diverged or crashed runs as x on a band at the top; mean ± std over seeds at each point's best rate;
     horizontal reference lines (the unigram loss of a language-model sweep, or those given); `heading` (--title)
     goes above the setup line the sweeps' summaries give."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-
-    from sweep import first_seed_runs, matches
-
     sweep = load_lr_sweeps(roots)
-    keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
-    refs, metric = dict(references or {}), sweep["metric"]
-    if setup.get("task") == "lm" and "unigram" not in refs and metric == "val_loss":  # the unigram loss is in nats
+    setup = sweep["setup"] or {}
+    refs = dict(references or {})
+    if setup.get("task") == "lm" and "unigram" not in refs and sweep["metric"] == "val_loss":  # the unigram's in nats
         uni = unigram_loss(setup.get("data_dir", "data"), setup.get("dataset", ""),
                            (sweep.get("data") or {}).get(setup.get("dataset", "")))
         if uni is not None:
             refs["unigram (context ignored)"] = uni
+    return draw_lr_figure(sweep, refs, heading)
+
+
+def draw_lr_figure(sweep: dict, refs: dict[str, float], heading: str | None = None):
+    """draw_lr_sensitivity's figure of sweeps already read ({"runs", "lr_points", "setup", "lr_key", "keys",
+    "metric"}: what load_lr_sweeps returns, or sweep.py --tables builds from the results files), with the reference
+    lines `refs`; the curves and the axis are of the metric the sweeps judged on (val_loss when none is given)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    from nanonorm.lr_table import first_seed_runs, matches
+
+    keys, lr_key, setup = sweep["keys"], sweep["lr_key"], sweep["setup"] or {}
+    metric = sweep.get("metric", "val_loss")
     labels = [point_label(p, keys) for p in sweep["lr_points"]]
     for point, label in zip(sweep["lr_points"], labels, strict=True):  # one setting in two sweeps: name the sweep
         point["label"] = label + (f" ({os.path.basename(os.path.normpath(point['root']))})"
@@ -414,6 +419,31 @@ def draw_lr_sensitivity(roots: list[str], references: dict[str, float] | None = 
     return fig
 
 
+def write_tables(results: str, out: str) -> str:
+    """--tables: every study's verdict tables (markdown, as `sweep.py --tables` prints them) and a learning-rate
+    figure per sweep, from the results files under `results` alone (nanonorm.results.study_tables), written to the
+    folder `out` as <study>.md and <study>_<sweep>.png; returns `out`."""
+    from nanonorm.results import ResultsError, metric_of, study_tables
+    from nanonorm.run_files import write_atomically
+
+    try:
+        studies = study_tables(results)
+    except ResultsError as e:
+        raise PlotError(str(e)) from None
+    os.makedirs(out, exist_ok=True)
+    for study, text, tables in studies:
+        write_atomically(os.path.join(out, f"{study}.md"), text.encode())
+        for name, data, table in tables:
+            drawn = {"runs": [{**r, "root": name} for r in data["runs"]],
+                     "lr_points": [{**p, "root": name} for p in table],
+                     "setup": data.get("setup"), "lr_key": data["lr_key"], "keys": data["keys"],
+                     "metric": metric_of(data)}
+            nats = data.get("unigram_loss") is not None and metric_of(data) == "val_loss"  # the unigram's in nats
+            refs = {"unigram (context ignored)": data["unigram_loss"]} if nats else {}
+            save(draw_lr_figure(drawn, refs, f"{study}: {name}"), os.path.join(out, f"{study}_{name}.png"), dpi=110)
+    return out
+
+
 def draw_depth(roots: list[str], heading: str | None = None):
     """Against the depth n_layer, one line per arm: its held-out mean ± std at that depth's best rate (left) and
     its learning-rate sensitivity on the selection seed (right), from sweep.py --lr_grid out_roots at several
@@ -485,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--lr_sweep the --out_root of sweep.py --lr_grid runs")
     parser.add_argument("--lr_sweep", action="store_true", help="draw final val loss against learning rate "
                         "from sweep.py --lr_grid out_roots (their summary.json)")
+    parser.add_argument("--tables", action="store_true", help="from the results files under one folder (sweep.py "
+                        "--results: a study per folder) alone, write every study's verdict tables (<study>.md) and a "
+                        "learning-rate figure per sweep (<study>_<sweep>.png) to the folder --out (default: tables)")
     parser.add_argument("--depth", action="store_true", help="draw each arm's best held-out loss and its "
                         "learning-rate sensitivity against n_layer from sweep.py --lr_grid out_roots at several depths")
     parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
@@ -554,6 +587,12 @@ def plot_from_args(args: argparse.Namespace) -> str:
         check_title(args.title)
     if args.depth and args.lr_sweep:
         raise PlotError("--depth and --lr_sweep draw different figures: give one")
+    if args.tables and (args.depth or args.lr_sweep):
+        raise PlotError("--tables draws every sweep's own figure; give it without --depth and --lr_sweep")
+    if args.tables:
+        if len(args.out_dirs) != 1:
+            raise PlotError("--tables reads one results folder (its subfolders are the studies); give one")
+        return write_tables(args.out_dirs[0], args.out if args.out != "runs.png" else "tables")
     if args.depth:
         return save(draw_depth(args.out_dirs, heading=args.title), args.out if args.out != "runs.png" else "depth.png",
                     dpi=110)

@@ -8,8 +8,9 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/icl_small_lipschitz_muon.py --grid learning_rate+matrix_lr=1e-3,1e-2   # tied keys
     python plot.py out/lr_sweep/*/ --metric loss,val_loss                           # draw the runs
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,post,geonorm --lr_grid 3e-4,1e-3,3e-3,1e-2,3e-2 \\
-        --select_seeds 0 --seeds 1,2,3,4,5 --baseline norm_scheme=pre --out_root out/lr \\
-        --row_claim norm_scheme=geonorm:lower:0.05 norm_scheme=post:none    # each scheme at its own best rate
+        --select_seeds 0,6,7 --seeds 1,2,3,4,5 --claims claims/depth.json --out_root out/lr \\
+        --results results/cpu_base                                      # each scheme at its own best rate
+    python plot.py --tables results/ --out tables/         # every table and figure again, from results/ alone
     python plot.py --lr_sweep out/lr                                     # final loss against learning rate
     python sweep.py configs/cpu_base.py --grid norm_scheme=pre,geonorm --seeds 1,2 --gpus 0,1 --runs_per_gpu 2
     python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --gpus all --gpus_per_run 4   # torchrun
@@ -20,27 +21,33 @@ Devices and executors (nanonorm/launch.py; docs/comparing.md): --gpus gives each
 slurm submits each run as a SLURM job through submitit (local: the same on this machine), resubmits a run whose
 job ended before it to resume, and the same command continues the sweep, waiting for its jobs still queued.
 
-With --lr_grid, every grid point runs every rate on the selection seeds (--select_seeds; default one seed not in
---seeds); the rate with the lowest final val loss (mean over them) is its best (a diverged or crashed run ranks
-its rate last and stays in the table); the held-out --seeds run at the best rate only, and they alone enter the
-mean ± std and the verdicts: a seed that picked the rate never does (the winner's curse). The table
-gives each point's best rate, mean ± std (n) at it, the rates that diverged, the learning-rate sensitivity, and
-a warning when the best rate is an edge of the grid or failed on a held-out seed. With --baseline, `verdict`
-(below) compares each point's held-out losses at its best rate with the baseline's (paired by seed) for the
-claim the point's paper makes against the baseline: --claim lower|higher by --delta (the paper's effect size),
-on_par within ±--delta, or none (a description, not a verdict), and --row_claim POINT:CLAIM[:DELTA] for a point
-of its own. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word:
-reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would take),
-Holm-corrected over the table's rows. A decisive word needs 5 held-out seeds in each arm, a grid of at least 5
-distinct rates and each arm's best rate inside it, not on an edge (a single rate is its own edge): otherwise
-the word is "inconclusive at this scale" and the table says why. An arm that trained at no rate gets "no
-verdict: trained at no rate". Two rates (muon, manifold_muon):
+With --lr_grid (docs/comparing.md), every grid point runs every rate on the selection seeds (--select_seeds;
+default three seeds not in --seeds); the rate with the lowest final val loss (mean over them) is its pick (a
+diverged or crashed run ranks its rate last and stays in the table); the two rates at ×√3 around the pick run on
+the same seeds (--no-refine: not), and the finer grid's best is the point's rate; the held-out --seeds run at it
+only (the baseline's also at its second-best rate), and they alone enter the mean ± std and the verdicts: a seed
+that selected a rate never does, in this folder ever (selection_seeds.json keeps them; such a held-out seed is
+refused). With a baseline (--baseline, or the claims file's), `verdict` (nanonorm/verdict.py) compares each
+point's held-out losses with the baseline's (paired on the seeds both share) for what the point's paper claims
+against it: from --claims FILE (nanonorm/claims.py: written before the runs and kept in out_root/claims.json; a
+file changed since is refused), or ad hoc by --claim lower|higher|on_par|none with --delta and --row_claim
+POINT:CLAIM[:DELTA]. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word at
+its scale: reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would
+take), Holm-corrected within its family (one paper's claims; the ad hoc claims are one family), and the word
+against the baseline's second-best rate ("depends on the baseline's rate" where the two differ). A decisive word
+needs 5 held-out runs that finished in each arm (divergence: Fisher's test), a grid of at least 5 distinct rates,
+each best rate inside it (not on an edge, not next to a cliff: a rate that diverged or ended within 0.05 nats of
+the unigram loss) and picked on 3 selection seeds: otherwise the word is "inconclusive at this scale" and the
+table says why. An arm that trained at no rate gets "no verdict: trained at no rate". The per-run numbers go to
+out_root/results.jsonl (and --results DIR), from which --tables regenerates the tables. --budget SECONDS ends a
+call's runs with a save when its time is spent (exit 4); the same command continues (--dry_run prints the plan).
+Two rates (muon, manifold_muon):
 --lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
 --leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
 of another setup says what differs in place of a verdict. Sweeps trained on different data (the data fingerprints
 their summaries record differ) are refused, naming both. Its rows are described, not judged, unless --claim or
---row_claim states what their papers claim (a --row_claim that matches no row is refused). A root given twice (a
-trailing slash, a symlink) is read once.
+--row_claim (or --claims) states what their papers claim (a --row_claim that matches no row is refused). A root
+given twice (a trailing slash, a symlink) is read once.
 
 --metric val_bpb judges on the final val loss in bits per byte of the val split's text (train.py logs it for LM
 runs): the rate picks, means, sensitivities and verdicts all use it, so that runs with other tokenizers can be
@@ -72,11 +79,11 @@ A grid value that would make a run folder's name longer than the file system tak
 starts. A run that cannot be launched or whose run.json cannot be written (an OSError: a full disk) is reported in
 its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
 Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
-launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or
-a run folder in use; 130 on Ctrl-C or SIGINT, 143 on SIGTERM, 129 on SIGHUP (a closed terminal), to the sweep
-alone or its process group: the sweep passes it on to its running runs as SIGTERM, on which they save their last
-iteration and stop, waits for them (however many signals follow: no run is left running), starts
-nothing more, and the same command continues the sweep.
+launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or a
+run folder in use, 4 when --budget ran out (the same command continues); 130 on Ctrl-C or SIGINT, 143 on SIGTERM,
+129 on SIGHUP (a closed terminal), to the sweep alone or its process group: the sweep passes it on to its running
+runs as SIGTERM, on which they save their last iteration and stop, waits for them (however many signals follow: no
+run is left running), starts nothing more, and the same command continues the sweep.
 """
 
 from __future__ import annotations
@@ -87,23 +94,30 @@ import itertools
 import json
 import math
 import os
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict
 
 import torch
-from scipy import stats
 
 import prepare_data
 import train
 from model import GPTConfig
+from nanonorm.budget import BUDGET_EXIT, plan_text
+from nanonorm.claims import (
+    Claims,
+    ClaimsError,
+    check_fixed_before_runs,
+    committed_state,
+    read_claims,
+)
 from nanonorm.launch import (
     EXECUTORS,
     Launcher,
@@ -116,6 +130,25 @@ from nanonorm.launch import (
     run_jobs,
     slurm_parameters,
 )
+from nanonorm.lr_table import (
+    METRICS,
+    VERDICT_COLUMNS,
+    add_verdicts,
+    as_claims,
+    comparison,
+    crashed,
+    final_loss,
+    first_seed_runs,
+    format_table,
+    grid_shortfall,
+    held_out_losses,
+    lr_sensitivity,
+    lr_table,
+    matches,
+    pick_best,
+    point_table_text,
+)
+from nanonorm.results import ResultsError, study_tables, write_results
 from nanonorm.resume import data_fingerprint, fingerprint_changes
 from nanonorm.run_files import (
     CHECKPOINT_NAME,
@@ -136,23 +169,23 @@ from nanonorm.runs import (
     load_metrics,
     run_config,
 )
+from nanonorm.selection import (
+    MIN_SELECT_SEEDS,
+    HeldOutError,
+    default_select_seeds,
+    record_selection_seeds,
+    recorded_selection_seeds,
+    refined_rates,
+    unigram_loss,
+)
+from nanonorm.selection import check_held_out as check_selection_record
 from nanonorm.train_config import ConfigError, TrainConfig, exit_with, explicit_settings
+from nanonorm.verdict import MIN_RATES, scale_text
+from nanonorm.verdict import verdict as verdict  # sweep.verdict: the rule, where tests and docs call it
 
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
-OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged"}
-METRICS = ("val_loss", "val_bpb")  # what --metric can judge on, the last eval's; lower is better
-COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val loss", "{:.4f}"),  # (header, format)
-           "val_bpb": ("final val bpb", "{:.4f}"),
-           "diverged_at": ("diverged", "diverged at iteration {}"), "exit_code": ("exit", "{}"),
-           "wall_s": ("wall (s)", "{:.1f}"), "ms_per_iter": ("ms/iter", "{:.1f}"),
-           "val_loss_mean_std": ("final val loss (mean ± std)", "{}"),
-           "ms_vs_baseline": ("ms/iter vs baseline", "{:.2f}x"), "best_lr": ("best lr", "{}"),
-           "diverged_lrs": ("diverged at lr", "{}"), "verdict": ("verdict vs baseline", "{}"),
-           "edge_warning": ("warning", "{}"), "label": ("arm", "{}"), "diff": ("Δ vs baseline", "{:+.4f}"),
-           "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
-           "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
-           "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}")}
-VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
+OUTCOMES = {0: "finished", 1: "crashed", 2: "bad config", 3: "diverged", 4: "stopped with a save (it resumes)",
+            5: "its folder was replaced", 6: "no space left: it resumes"}  # train.py's codes (docs/run_files.md)
 NO_VERDICT = ("no verdict: a grid without --lr_grid runs every arm at one learning rate, which is not a comparison "
               "(README, Comparing runs); --lr_grid runs each arm at its own best rate and gives the verdict rule's "
               "word")
@@ -513,7 +546,15 @@ class Interrupted(KeyboardInterrupt):
 
 
 class NotStarted(Exception):
-    """A run the sweep did not start, as an earlier one could not be launched or recorded."""
+    """A run the sweep did not start, as an earlier one could not be launched or recorded, or the budget ran out."""
+
+
+class BudgetSpent(Exception):
+    """--budget ran out: the running runs saved and stopped, nothing more started; the same command continues."""
+
+    def __init__(self, budget: float, left: int):
+        super().__init__(f"the budget of {budget:g} s is spent with {left} run{'s' * (left != 1)} of this phase left "
+                         "(stopped runs saved their last iteration): run the same command to continue")
 
 
 class LaunchFailed(Exception):
@@ -545,13 +586,31 @@ class Children:
         self._running: set[subprocess.Popen] = set()
         self.stopping: int | None = None  # the stop signal received
         self.halted = False  # a run could not be launched or recorded: start no other
+        self.budget: float | None = None  # --budget: seconds this call may run runs for
+        self.deadline: float | None = None  # when it ends (time.monotonic)
+        self.expired = False  # it has: the runs got SIGTERM, and none starts
 
     def check_running(self) -> None:
-        """Interrupted if the sweep is stopping, NotStarted after a failed launch: nothing more starts."""
+        """Interrupted if the sweep is stopping, NotStarted after a failed launch or past the budget: nothing more
+        starts."""
         if self.stopping is not None:
             raise Interrupted(self.stopping)
-        if self.halted:
+        if self.halted or self.expired:
             raise NotStarted
+
+    def set_budget(self, seconds: float | None) -> None:
+        """Give this call `seconds` of run time from now (None: no limit)."""
+        self.budget, self.deadline = seconds, None if seconds is None else time.monotonic() + seconds
+        self.expired = False
+
+    def expire(self) -> None:
+        """The budget has run out: start nothing more, and stop the running runs with a save (SIGTERM: train.py saves
+        its last iteration and exits 4; the next call resumes it)."""
+        with self._lock:
+            self.expired = True
+            running = list(self._running)
+        for process in running:
+            process.send_signal(signal.SIGTERM)
 
     def start(self, command: list[str], **options) -> subprocess.Popen:
         """Popen(command), unless the sweep is stopping or halted."""
@@ -583,7 +642,7 @@ class Children:
 
     def reset(self) -> None:
         with self._lock:
-            self.stopping, self.halted = None, False
+            self.stopping, self.halted = None, False  # the budget goes on: set_budget sets it
 
 
 CHILDREN = Children()
@@ -723,8 +782,8 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
     """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
     final losses (of its last evaluation up to its `max_iters`, one per run: a run trained on past them by hand
     counts at them) and that evaluation's iteration, divergence, exit code, whether it reached its `max_iters`
-    (the rule run_state skips it by), time, and the `extra` metrics of its last evaluation that logged them
-    (e.g. val_xy_loss, grad_kurtosis)."""
+    (the rule run_state skips it by), time, its iteration-0 val loss, the commit that ran it, and the `extra`
+    metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis)."""
     rows = []
     for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
@@ -740,6 +799,8 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
                      "diverged_at": diverged_at(records), "exit_code": info.get("exit_code"),
                      "reached_max_iters": bool(max_iters) and reached_max_iters(records, max_iters[i]),
                      "wall_s": info.get("wall_s"), "ms_per_iter": statistics.median(ms) if ms else None,
+                     **{f"initial_{m}": next((r.get(m) for r in evals if r["iter"] == 0), None) for m in METRICS},
+                     "commit": info.get("commit"),
                      **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), (int, float))), None)
                         for key in extra or []}})
     return rows
@@ -767,25 +828,6 @@ def aggregate(rows: list[dict], keys: list[str], baseline: dict | None = None, m
         out.append({**dict(zip(keys, values, strict=True)), "runs": len(group), "val_loss_mean_std": text,
                     "val_loss_mean": mean, "val_loss_std": std, "diverged": diverged, "ms_vs_baseline": rel})
     return out
-
-
-def format_table(rows: list[dict], columns: list[str] | None = None, metric: str = "val_loss") -> str:
-    """A Markdown table with aligned columns; None and NaN show as "-". The mean ± std column is headed by the
-    `metric` it holds."""
-    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
-    headers = {"val_loss_mean_std": f"final {metric.replace('_', ' ')} (mean ± std)"}
-
-    def cell(key: str, value: object) -> str:
-        if value is None or isinstance(value, float) and math.isnan(value):
-            return "-"
-        default = "{:.4g}" if isinstance(value, float) else "{}"  # extra metrics
-        return COLUMNS.get(key, (key, default))[1].format(value)
-
-    table = [[headers.get(c, COLUMNS.get(c, (c,))[0]) for c in columns]] + [[cell(c, row.get(c)) for c in columns]
-                                                                             for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-    lines = ["| " + " | ".join(text.ljust(w) for text, w in zip(line, widths, strict=True)) + " |" for line in table]
-    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
 
 
 def busy_runs(jobs: list[dict]) -> list[str]:
@@ -821,13 +863,14 @@ def execute(pending: list[dict], workers: int, threads: int, launcher: Launcher 
     CHILDREN.reset()
     failures, left, done = [], set(), 0
     devices = launcher.pool() if launcher else None
+    timer = budget_timer(pending)
     with ThreadPoolExecutor(workers) as pool:  # on GPUs, each run takes a slot; on the CPU, launch(job, threads)
         futures = {pool.submit(launch, job, threads, *((launcher, devices.slot()) if devices else ())): job
                    for job in pending}
         try:
             for future in as_completed(futures):
                 job, info = futures[future], future.result()
-                if "error" in info or "not_started" in info:
+                if "error" in info or "not_started" in info or info.get("exit_code") == 4 and CHILDREN.expired:
                     left.add(job["out_dir"])
                 if "not_started" in info:
                     continue
@@ -840,6 +883,11 @@ def execute(pending: list[dict], workers: int, threads: int, launcher: Launcher 
                 CHILDREN.stop(signal.SIGINT)
             pool.shutdown(cancel_futures=True)  # start nothing more; the same command continues the sweep
             raise
+        finally:
+            if timer:
+                timer.cancel()
+    if CHILDREN.expired and not failures:
+        raise BudgetSpent(CHILDREN.budget, len(left))
     if failures:
         raise LaunchFailed(failures, left)
 
@@ -869,6 +917,21 @@ def execute_jobs(pending: list[dict], launcher: Launcher, out_root: str) -> None
     run_jobs(pending, launcher, out_root, make_job, finished, report, lambda: CHILDREN.stopping is not None)
     if CHILDREN.stopping is not None:
         raise Interrupted(CHILDREN.stopping)
+
+
+def budget_timer(pending: list[dict]) -> threading.Timer | None:
+    """A timer that ends the budget (CHILDREN.expire) at its deadline, started now; None without a budget or jobs.
+    Past the deadline already, it has ended."""
+    if CHILDREN.deadline is None or not pending:
+        return None
+    left = CHILDREN.deadline - time.monotonic()
+    if left <= 0:
+        CHILDREN.expired = True
+        return None
+    timer = threading.Timer(left, CHILDREN.expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def outcome_text(job: dict, info: dict) -> str:
@@ -951,259 +1014,10 @@ def write_summary_files(out_root: str, title: str, text: str, data: dict) -> Non
     write_atomically(js, json.dumps({"title": title, **data}, indent=1).encode())
 
 
-# ----------------------------------------------------------------------------- the verdict rule
-
-ALPHA = 0.05  # two-sided level of every test; the intervals cover 1 - ALPHA = 95%
-POWER = 0.8  # the power at which the minimal detectable effect (mde) is detected
-MIN_SEEDS = 5  # held-out seeds per arm before a decisive word (README, Comparing runs)
-MIN_RATES = 5  # distinct rates of an --lr_grid before its table gives one (README, Comparing runs)
-MAX_SEEDS = 10**6  # seeds_needed beyond this is reported as None
-INCONCLUSIVE = "inconclusive at this scale"
-CLAIMS = ("lower", "higher", "on_par", None)
-DECISIVE = ("reproduced", "smaller than claimed", "contradicted", "lower", "higher")  # words a test has to back
-
-
-def compare_arms(a: list[float], b: list[float], paired: bool = False) -> dict:
-    """mean(a) - mean(b) (`diff`) with its standard error, degrees of freedom, 95% interval (`ci`), two-sided p of
-    no difference, minimal detectable effect (`mde`) and the spread it came from (`sd`), from finite values, two
-    or more per arm. Welch's t-test (unequal variances, Welch–Satterthwaite df); paired: the t-test of the
-    per-seed differences a[i] - b[i] (both lists in the same seed order), `sd` then theirs."""
-    rounding = 1e-12 * max(map(abs, [*a, *b]))  # a spread this small is the float rounding of equal values
-
-    def spread(xs: list[float]) -> float:
-        return statistics.stdev(xs) if statistics.stdev(xs) > rounding else 0.0
-
-    if paired:
-        d = [x - y for x, y in zip(a, b, strict=True)]
-        diff, sd = statistics.fmean(d), spread(d)
-        se, df = sd / math.sqrt(len(d)), len(d) - 1
-    else:
-        sd = spread(a), spread(b)
-        va, vb = sd[0] ** 2 / len(a), sd[1] ** 2 / len(b)
-        diff, se = statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb)
-        df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else len(a) + len(b) - 2
-    with warnings.catch_warnings():  # scipy's warning of precision loss in an arm without spread, 0 here
-        warnings.simplefilter("ignore", RuntimeWarning)
-        test = stats.ttest_rel(a, b) if paired else stats.ttest_ind(a, b, equal_var=False)
-    p = float(test.pvalue) if se > 0 else float(diff == 0)  # no spread at all: any difference is certain
-    half = float(stats.t.ppf(1 - ALPHA / 2, df)) * se
-    return {"diff": diff, "se": se, "df": df, "ci": (diff - half, diff + half), "p": p, "mde": mde(se, df), "sd": sd}
-
-
-def mde(se: float, df: float, power: float = POWER) -> float:
-    """The smallest true difference a two-sided t-test at ALPHA detects with probability `power`, for a
-    difference with standard error se on df degrees of freedom: (t_{1-α/2} + t_power) se."""
-    return float(stats.t.ppf(1 - ALPHA / 2, df) + stats.t.ppf(power, df)) * se
-
-
-def seeds_for(effect: float, sd: float | tuple[float, float], paired: bool, power: float = POWER) -> int | None:
-    """Seeds per arm (at least MIN_SEEDS) whose mde reaches `effect`, at the spread `sd` (of the per-seed
-    differences if paired, else of each arm); None for no effect or beyond MAX_SEEDS."""
-    if not effect > 0:
-        return None
-    va, vb = (sd**2, 0.0) if paired else (sd[0] ** 2, sd[1] ** 2)
-    if va + vb == 0:
-        return MIN_SEEDS
-
-    def reach(n: int) -> float:
-        df = n - 1 if paired or not (va and vb) else (va + vb) ** 2 / ((va**2 + vb**2) / (n - 1))
-        return mde(math.sqrt((va + vb) / n), df, power)
-
-    z = float(stats.norm.ppf(1 - ALPHA / 2) + stats.norm.ppf(power))  # the normal approximation: a lower bound
-    n = max(2, math.floor((z / effect) ** 2 * (va + vb)))
-    while n <= MAX_SEEDS and reach(n) > effect:
-        n += 1
-    return max(n, MIN_SEEDS) if n <= MAX_SEEDS else None
-
-
-def seeds_for_divergence(n: tuple[int, int], k: tuple[int, int]) -> int | None:
-    """Seeds per arm (at least MIN_SEEDS) at which Fisher's exact test tells the observed divergence rates
-    apart at ALPHA, were they to hold; None if they are equal or it takes more than 1000."""
-    rates = (k[0] / n[0], k[1] / n[1])
-    for m in range(MIN_SEEDS, 1001):
-        ka, kb = (round(r * m) for r in rates)
-        if ka != kb and stats.fisher_exact([[ka, m - ka], [kb, m - kb]]).pvalue < ALPHA:
-            return m
-    return None
-
-
-def interval_word(lo: float, hi: float, claim: str | None, delta: float) -> tuple[str, list[float], str | None]:
-    """The word for an interval [lo, hi] of mean(a) - mean(b), the values of the difference it excludes to say
-    so (the nulls its p-value tests) and why, where the word needs saying why."""
-    if claim is None:
-        return ("higher" if lo > 0 else "lower" if hi < 0 else "not distinguishable"), [0.0], None
-    if claim == "on_par":
-        if -delta < lo and hi < delta:
-            return "reproduced", [delta, -delta], f"the interval lies inside ±{delta:g}"
-        if lo > delta or hi < -delta:
-            return "contradicted", [delta if lo > delta else -delta], f"the interval lies outside ±{delta:g}"
-        return INCONCLUSIVE, [delta, -delta], f"the interval reaches past ±{delta:g}"
-    s = -1.0 if claim == "lower" else 1.0  # the claimed sign of mean(a) - mean(b)
-    low, high = sorted((s * lo, s * hi))  # the interval of the claimed effect
-    if low > 0 and high < delta:
-        return "smaller than claimed", [0.0, s * delta], f"the interval lies below δ = {delta:g}"
-    if low > 0:
-        return "reproduced", [0.0], None
-    if high < 0:
-        return "contradicted", [0.0], "the interval lies on the other side of 0"
-    if high < delta:
-        return "contradicted", [s * delta], f"the interval contains 0 and lies below δ = {delta:g}"
-    return INCONCLUSIVE, [0.0], "the interval contains 0" + (f" and reaches δ = {delta:g}" if delta else "")
-
-
-def p_at(v: dict, null: float) -> float:
-    """Two-sided p of the t-test of mean(a) - mean(b) = null: below ALPHA exactly where the interval excludes null."""
-    if v["se"] == 0:
-        return float(v["diff"] == null)
-    return float(2 * stats.t.sf(abs(v["diff"] - null) / v["se"], v["df"]))
-
-
-def verdict(a: list[float], b: list[float], claim: str | None, delta: float = 0.0, paired: bool = False) -> dict:
-    """The one comparison rule (README, Comparing runs): what the per-seed values of arm a say against those of
-    arm b about a paper's claim.
-
-    a, b: one value per held-out seed, of a metric where lower is better (a final loss); a non-finite value is a
-    run that diverged (or crashed): the worst outcome, an infinite loss. For a metric where higher is better, pass
-    its negation. paired: both lists in the same seed order, compared seed by seed.
-
-    claim (Δ = mean(a) - mean(b), over the runs that finished):
-      "lower"  - the paper says a's loss is lower than b's by δ = delta >= 0 (its effect size, in the metric's
-                 units): Δ = -δ. "higher": Δ = +δ.
-                 reproduced: the 95% interval of Δ excludes 0 on the claimed side and does not lie entirely below
-                 δ in magnitude; smaller than claimed: it excludes 0 on the claimed side but lies below δ;
-                 contradicted: it lies entirely on the other side of 0, or contains 0 and lies below δ;
-                 otherwise inconclusive at this scale, with `seeds_needed`: the seeds per arm whose mde
-                 reaches δ (the observed |Δ| when δ is 0).
-      "on_par" - a and b are equivalent within the margin δ > 0 (TOST read off the 95% interval, each side at
-                 2.5%): reproduced when the interval lies inside ±δ, contradicted when it lies entirely outside,
-                 otherwise inconclusive (seeds_needed: where the interval's reach, at 80% power with no true
-                 difference, fits inside ±δ).
-      None     - no claim against b: a description only, "lower", "higher" (the interval excludes 0) or "not
-                 distinguishable", never a verdict word.
-    The interval is paired t (paired) or Welch's; `mde` is the smallest Δ these seeds detect with 80% power at
-    α = 0.05, two-sided; `p` the t-test's p of no difference.
-
-    Divergence is decided first: k of n runs per arm (`diverged`), compared by Fisher's exact test at α = 0.05
-    (`p_diverged`; 3 of 3 against 0 of 3 is p = 0.10, nothing; 5 of 5 against 0 of 5 is p = 0.008). Where it
-    tells the arms apart, the arm that diverged more often has the higher loss, by more than any δ, and that is
-    the word. Otherwise the losses are compared over the runs that finished (paired: the seeds where both
-    did), and the divergence counts stand beside them in `reason`.
-
-    A decisive word needs MIN_SEEDS (5) held-out seeds in each arm; with fewer it is inconclusive (a description
-    stays). `p_word` is the p-value the word rests on (the largest of the tests it needs): what Holm's correction
-    (`correct_family`) adjusts within a family of comparisons."""
-    if claim not in CLAIMS:
-        raise ValueError(f"claim={claim!r}: choose lower, higher, on_par or None")
-    if not (isinstance(delta, (int, float)) and math.isfinite(delta) and delta >= 0):
-        raise ValueError(f"delta={delta!r}: the claimed effect is a finite number >= 0 in the metric's units")
-    if claim == "on_par" and delta == 0:
-        raise ValueError("claim='on_par' needs its margin: a delta > 0")
-    a, b = [float(x) for x in a], [float(x) for x in b]
-    if paired and len(a) != len(b):
-        raise ValueError(f"paired arms hold one value per seed each: {len(a)} and {len(b)} values")
-    n, k = (len(a), len(b)), (sum(not math.isfinite(x) for x in a), sum(not math.isfinite(x) for x in b))
-    v = {"claim": claim, "delta": float(delta), "n": n, "diverged": k, "paired": paired,
-         "test": "paired t" if paired else "Welch's t", "diff": None, "se": None, "df": None, "ci": None, "p": None,
-         "mde": None, "sd": None, "p_diverged": None, "p_word": None, "seeds_needed": None, "reason": None}
-    if paired:
-        pairs = [(x, y) for x, y in zip(a, b, strict=True) if math.isfinite(x) and math.isfinite(y)]
-        finished = [x for x, _ in pairs], [y for _, y in pairs]
-    else:
-        finished = [x for x in a if math.isfinite(x)], [y for y in b if math.isfinite(y)]
-    if min(map(len, finished)) >= 2:
-        v.update(compare_arms(*finished, paired))
-    notes = []
-    if any(k):
-        v["p_diverged"] = float(stats.fisher_exact([[k[0], n[0] - k[0]], [k[1], n[1] - k[1]]]).pvalue)
-        notes.append(f"diverged on {k[0]} of {n[0]} seeds against {k[1]} of {n[1]} (Fisher's exact p = "
-                     f"{v['p_diverged']:.2g})")
-    if v["p_diverged"] is not None and v["p_diverged"] < ALPHA:  # the arm that diverged more often: infinite loss
-        side = math.inf if k[0] / n[0] > k[1] / n[1] else -math.inf
-        word, _, _ = interval_word(side, side, claim, delta)
-        v.update(test="Fisher's exact", p_word=v["p_diverged"])
-    elif v["diff"] is None:
-        word = "not distinguishable" if claim is None else INCONCLUSIVE
-        notes.append("fewer than 2 finished runs in an arm" + (" (as pairs)" if paired else "")
-                     + ": no spread to compare losses by")
-    else:
-        word, nulls, why = interval_word(*v["ci"], claim, delta)
-        v["p_word"] = max(p_at(v, null) for null in nulls)
-        notes = [*([why] if why else []), *(["losses of the finished runs"] if any(k) else []), *notes]
-    if claim is not None and word in DECISIVE and min(n) < MIN_SEEDS:
-        word = INCONCLUSIVE
-        notes.append(f"{n[0]} and {n[1]} seeds: a verdict needs {MIN_SEEDS} held-out seeds in each arm")
-    v.update(verdict=word, reason="; ".join(notes) or None)
-    if word == INCONCLUSIVE:
-        v["seeds_needed"] = seeds_needed(v)
-    return v
-
-
-def seeds_needed(v: dict) -> int | None:
-    """For an inconclusive verdict: the seeds per arm its spread says would detect δ (the observed |Δ| when δ is
-    0; for "on_par", fit the interval inside ±δ), or tell its divergence rates apart; None when nothing says."""
-    if v["sd"] is None:
-        return seeds_for_divergence(v["n"], v["diverged"]) if any(v["diverged"]) else None
-    if v["claim"] == "on_par":
-        return seeds_for(v["delta"], v["sd"], v["paired"], power=(1 + POWER) / 2)
-    return seeds_for(v["delta"] or abs(v["diff"]), v["sd"], v["paired"])
-
-
-def holm_adjusted(ps: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values of one family of tests, in the order given: the k-th smallest p times
-    (m - k + 1), never below the one before it, at most 1."""
-    order = sorted(range(len(ps)), key=lambda i: ps[i])
-    adjusted, running = [1.0] * len(ps), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
-        adjusted[i] = running
-    return adjusted
-
-
-def holm(ps: list[float], alpha: float = ALPHA) -> list[bool]:
-    """Which tests of one family (one paper's comparisons; one table's rows) Holm's correction rejects, keeping
-    the chance of any false rejection in the family at most alpha."""
-    return [p < alpha for p in holm_adjusted(ps)]
-
-
-def correct_family(verdicts: list[dict | None], alpha: float = ALPHA) -> list[dict | None]:
-    """The verdicts of one family, each with its Holm-adjusted p (`p_holm`, of `p_word`) and the family's size;
-    a decisive word whose adjusted p is not below alpha becomes inconclusive at this scale (a description: not
-    distinguishable). Entries without a test (None, or no p_word) stay as they are but for counting nothing."""
-    tested = [i for i, v in enumerate(verdicts) if v is not None and v.get("p_word") is not None]
-    out = list(verdicts)
-    for i, p in zip(tested, holm_adjusted([verdicts[i]["p_word"] for i in tested]), strict=True):
-        v = {**verdicts[i], "p_holm": p, "family": len(tested)}
-        if v["verdict"] in DECISIVE and p >= alpha:
-            why = f"not significant after Holm's correction over {len(tested)} comparisons"
-            v.update(verdict=INCONCLUSIVE if v["claim"] is not None else "not distinguishable",
-                     reason="; ".join(filter(None, [v["reason"], why])))
-            if v["claim"] is not None:
-                v["seeds_needed"] = seeds_needed(v)
-        out[i] = v
-    return out
-
-
 # ----------------------------------------------------------------------------- learning-rate sweeps
 
 
-def trained_to_end(row: dict) -> bool:
-    """The run's training counts as complete: it exited with 0 (or recorded no exit code), or its metrics hold
-    the evaluation at max_iters whatever exit code run.json records (killed while drawing its final sample,
-    or completed by hand with --init_from=resume after a stop)."""
-    return row["exit_code"] in (0, None) or bool(row.get("reached_max_iters"))
 
-
-def crashed(row: dict) -> bool:
-    """A run that ended with an error (a crash or a refused config) before it could train or diverge: not a result."""
-    return row["diverged_at"] is None and row["exit_code"] != 3 and not trained_to_end(row)
-
-
-def final_loss(row: dict, metric: str = "val_loss") -> float:
-    """The run's final val loss (or the `metric` the sweep judges on) for the verdict rule and the choice of rate:
-    +inf if it diverged, crashed or ended without a finite value."""
-    loss = row.get(metric)
-    ok = row["diverged_at"] is None and trained_to_end(row) and loss is not None and math.isfinite(loss)
-    return loss if ok else math.inf
 
 
 def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dict[str, float]]:
@@ -1224,138 +1038,196 @@ def lr_ratios_of(config: str, fixed: dict, lr_keys: list[str]) -> tuple[str, dic
     return first, {k: values[k] / values[first] for k in followers if k != first}
 
 
-def matches(row: dict, point: dict) -> bool:
-    """Whether a run (or point) has every value of `point`, compared as text (a summary's 0.001 is "0.001")."""
-    return all(str(row.get(k)) == str(v) for k, v in point.items())
 
 
-def first_seed_runs(rows: list[dict], lr_key: str) -> list[dict]:
-    """The runs of one grid point on its first selection seed: the seed that ran the most rates."""
-    rates: dict[int, set] = {}
-    for r in rows:
-        rates.setdefault(r["seed"], set()).add(float(r[lr_key]))
-    first = max(rates, key=lambda s: (len(rates[s]), -s), default=None)
-    return [r for r in rows if r["seed"] == first]
-
-
-def lr_sensitivity(rows: list[dict], lr_key: str, rates: set[float] | None = None,
-                   metric: str = "val_loss") -> float | None:
-    """Learning-rate sensitivity as Wortsman et al. (2023) define it, from one grid point's first-seed runs:
-    the mean over the grid's (log-spaced) rates of min(final loss, initial loss) - the best final loss.
-    A diverged or crashed run, or one that ends above where it started, counts at the initial loss (the
-    iteration-0 val loss, one init for every rate); 0 means every rate of the grid is as good as the best.
-    It depends on the grid, so points are compared over the same `rates` (default: all the point ran).
-    None when no rate trained or no run logged a finite initial loss. `metric`: the loss it is measured in."""
-    rows = [r for r in rows if rates is None or float(r[lr_key]) in rates]
-    initial = next((x for r in rows if "out_dir" in r and (x := val_loss_at(r["out_dir"], 0, metric)) is not None
-                    and math.isfinite(x)), None)
-    finals = [final_loss(r, metric) for r in rows]
-    if initial is None or not any(math.isfinite(x) for x in finals):
-        return None
-    capped = [min(x, initial) for x in finals]
-    return statistics.fmean(capped) - min(capped)
-
-
-def pick_best(rows: list[dict], lr_key: str, lr_values: list[str], metric: str = "val_loss") -> dict:
-    """The best rate of one grid point from its runs at every rate (on each selection seed): the lowest mean final
-    val loss (`metric`) over those seeds, a rate with a diverged or crashed run ranking last; the diverged and
-    crashed rates, and the edge warning."""
-    by_rate: dict[str, list[float]] = {}
-    for r in rows:
-        by_rate.setdefault(r[lr_key], []).append(final_loss(r, metric))
-    trained = {lr: statistics.fmean(losses) for lr, losses in by_rate.items() if all(map(math.isfinite, losses))}
-    best = min(trained, key=trained.get) if trained else None
-    numeric = sorted(float(v) for v in lr_values)
-    edge = None
-    if best is not None and len(set(numeric)) == 1:
-        edge = "the grid has one rate: give --lr_grid at least five"
-    elif best is not None and float(best) in (numeric[0], numeric[-1]):
-        side = "lowest" if float(best) == numeric[0] else "highest"
-        edge = f"best at the {side} rate of the grid: extend --lr_grid beyond it"
-    diverged = list(dict.fromkeys(r[lr_key] for r in rows if r["diverged_at"] is not None))
-    failed = list(dict.fromkeys(r[lr_key] for r in rows if crashed(r)))
-    return {"best_lr": best, "diverged_lrs": diverged, "crashed_lrs": failed, "edge_warning": edge,
-            "lr_sensitivity": lr_sensitivity(first_seed_runs(rows, lr_key), lr_key, metric=metric)}
 
 
 def run_lr_sweep(config: str, grid: dict[str, list], lr_values: list[str], lr_keys: list[str],
                  seeds: list[int] | None = None, fixed: dict | None = None, out_root: str = "out/sweep",
                  jobs: str | int = "auto", threads_per_run: int | None = None, rerun: bool = False,
-                 baseline: dict | None = None, claims: list | None = None, dry_run: bool = False,
-                 extra: list[str] | None = None, select_seeds: list[int] | None = None,
-                 metric: str = "val_loss", launcher: Launcher | None = None) -> list[dict]:
-    """Each grid point at its own best learning rate, judged on seeds that did not pick it: every rate
-    runs on the selection seeds (`select_seeds`; default: one seed not in `seeds`, default_select_seed), the best
-    is kept (lowest mean final val loss over them; a diverged run ranks its rate last), and the held-out `seeds`
-    run at that rate only. The mean ± std and the verdicts against `baseline` (each point's claim and δ from
-    `claims`, see claim_for) use the held-out seeds alone. `metric`: the final value every choice and verdict is
-    made on (val_loss, or val_bpb). Returns one row per grid point."""
+                 baseline: dict | None = None, claims: Claims | list | None = None, dry_run: bool = False,
+                 extra: list[str] | None = None, select_seeds: list[int] | None = None, refine: bool = True,
+                 results: str | None = None, metric: str = "val_loss",
+                 launcher: Launcher | None = None) -> list[dict]:
+    """Each grid point at its own best learning rate, judged on seeds that did not pick it (docs/comparing.md): every
+    rate runs on the selection seeds (`select_seeds`; default: selection.default_select_seeds, the folder's
+    earlier selection seeds, else three not in `seeds`), each point's coarse pick (the lowest mean final val loss
+    over them; a diverged run ranks its rate last) is refined by the two rates at ×√3 around it on the same seeds
+    (`refine`), and the held-out `seeds` run at the finer grid's best only (the baseline's at its second-best
+    too). The mean ± std and the verdicts against `baseline` (each point's claim from `claims`) use the held-out
+    seeds alone. A seed that selected a rate in out_root before is refused as a held-out seed. `metric`: the final
+    value every pick, mean and verdict is made on (val_loss, or val_bpb). Writes the summary,
+    out_root/results.jsonl and, with `results`, a copy there (each recording the metric); returns one row per grid
+    point. `launcher` places the runs (default: this machine's cores, by jobs and threads_per_run)."""
     fixed = dict(fixed or {})
     if not str(fixed.get("seed", 0)).isdigit():
         raise SweepError(f"--set seed={fixed['seed']}: give a whole number, or several with --seeds")
     seeds = seeds or [train.TrainConfig.seed if "seed" not in fixed else int(fixed.pop("seed"))]
-    select = select_seeds or [default_select_seed(seeds)]
+    select = select_seeds or default_select_seeds(seeds, out_root)
     check_held_out(select, seeds)
+    check_not_selected(out_root, seeds)
     lr_key, ratios = lr_ratios_of(config, fixed, lr_keys)
     launcher = launcher or cpu_launcher(jobs, threads_per_run)
-    if len(lr_values) < MIN_RATES and baseline:
-        print(f"note: {len(lr_values)} rates; a verdict needs at least {MIN_RATES}, so none will be decisive")
+    if baseline and (short := protocol_shortfall(lr_values, select)):
+        print(f"note: {short}, so no word will be decisive")
     check_run_names(out_root, {**grid, lr_key: lr_values}, [*select, *seeds])  # the held-out runs' too, up front
-    first = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
-    pending = [job for job in first if job["state"] != "finished"]
-    print(f"{len(first)} runs over {len(lr_values)} rates on selection seeds {select}, {len(pending)} to run, "
-          f"{launcher.describe()}; then held-out seeds {seeds} at each point's best rate")
-    if dry_run:
-        print("\n".join(launcher.dry_run_lines("train.py", [job["argv"] for job in pending])))
-        return []
-    data = data_fingerprints(first)
+    coarse = plan_runs(config, {**grid, lr_key: lr_values}, select, fixed, out_root, rerun, (lr_key, ratios))
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    context = sweep_context(coarse[0]["argv"], len(seeds)) if coarse else {}
 
-    def picked(first_jobs: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
-        rows = summarize_jobs(first_jobs, extra)
-        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, lr_values, metric)}
-                      for p in points]
+    def picked(selection: list[dict]) -> tuple[list[dict], list[dict]]:  # the selection runs, each point's pick
+        rows = summarize_jobs(selection, extra)
+        return rows, [{**p, **pick_best([r for r in rows if matches(r, p)], lr_key, unigram=context.get("unigram"),
+                                        metric=metric)} for p in points]
 
-    def finish(first_jobs: list[dict], rest_jobs: list[dict], note: str | None = None) -> list[dict]:
-        check_run_data(first_jobs + rest_jobs, data)
-        first_rows, choice = picked(first_jobs)
-        rows = first_rows + summarize_jobs(rest_jobs, extra)
-        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select, metric)
-        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [],
-                         f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
-                         + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
-                         + f", rates picked on seeds {select}, held-out seeds {seeds}",
-                         {"select_seeds": select, "held_out_seeds": seeds, **recorded_data(data), "metric": metric,
-                          **({"setup": run_setup(first[0]["argv"], len(seeds)),
-                              "settings": run_settings(first[0]["argv"]),
-                              "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]}
-                             if first else {})}, note)
+    def plan_at(point: dict, rates: list[str], on: list[int]) -> list[dict]:
+        return plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: rates}, on, fixed, out_root, rerun,
+                         (lr_key, ratios))
+
+    def refinement(selection: list[dict]) -> list[dict]:  # the rates at ×√3 around each point's coarse pick
+        return [job for c, point in zip(picked(selection)[1], points, strict=True) if refine and c["best_lr"]
+                for job in plan_at(point, refined_rates(c["best_lr"], lr_values), select)]
+
+    def held_out(selection: list[dict]) -> list[dict]:  # each point at its best rate, the baseline's second too
+        return [job for c, point in zip(picked(selection)[1], points, strict=True) if c["best_lr"] is not None
+                for job in plan_at(point, held_out_rates(c, point, baseline), seeds)]
+
+    if dry_run:
+        print_plan(coarse, refinement, held_out,
+                   len(points) * (len(seeds) + 2 * len(select) * refine) + len(seeds) * bool(baseline),
+                   launcher.workers, launcher.threads)
+        return []
+    if isinstance(claims, Claims) and claims.path:
+        check_fixed_before_runs(out_root, claims, any(os.path.isdir(job["out_dir"]) for job in coarse))
+    record_selection_seeds(out_root, select)  # before any runs: a sweep stopped early keeps them out of verdicts
+    data = data_fingerprints(coarse)
+
+    def finish(selection: list[dict], held: list[dict], note: str | None = None) -> list[dict]:
+        check_run_data(selection + held, data)
+        selection_rows, choice = picked(selection)
+        rows = selection_rows + summarize_jobs(held, extra)
+        table = lr_table(rows, choice, list(grid), lr_key, baseline, claims, select, context.get("unigram"),
+                         context.get("settings"), context.get("setup"), metric)
+        recorded = {"select_seeds": select, "held_out_seeds": seeds, "refined": refine, **recorded_data(data),
+                    "metric": metric,
+                    **({"setup": context["setup"], "settings": context["settings"],
+                        "unigram_loss": context["unigram"], "commit": code_version(),
+                        "swept": [*(k for key in grid for k in key.split("+")), lr_key, *ratios]} if coarse else {}),
+                    **({"baseline": baseline} if baseline else {}), **claims_record(claims)}
+        title = (f"Learning-rate sweep of {config} over {grid}, {lr_key} in {lr_values}"
+                 + (f" (scaling {', '.join(ratios)} with it)" if ratios else "")
+                 + f", rates picked on seeds {select}" + (" and refined" if refine else "")
+                 + f", held-out seeds {seeds}")
+        write_lr_summary(out_root, rows, table, list(grid), lr_key, extra or [], title, recorded, note)
+        write_results(out_root, results, {"title": title, "keys": list(grid), "lr_key": lr_key, "points": points,
+                                          **recorded}, rows, list(grid), lr_key)
         return table
 
-    rest: list[dict] = []
+    fine: list[dict] = []
+    held: list[dict] = []
     try:
-        execute(pending, launcher.workers, launcher.threads, launcher, out_root)
-        check_run_data(first, data)  # before the held-out seeds train on other data than picked their rates
-        rest = [job for c, point in zip(picked(first)[1], points, strict=True) if c["best_lr"] is not None
-                for job in plan_runs(config, {**{k: [v] for k, v in point.items()}, lr_key: [c["best_lr"]]}, seeds,
-                                     fixed, out_root, rerun, (lr_key, ratios))]
-        execute([job for job in rest if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
+        execute([job for job in coarse if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
+                out_root)
+        check_run_data(coarse, data)  # before more runs train on other data than picked their rates
+        fine = refinement(coarse)
+        execute([job for job in fine if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
+                out_root)
+        check_run_data(coarse + fine, data)
+        held = held_out(coarse + fine)
+        execute([job for job in held if job["state"] != "finished"], launcher.workers, launcher.threads, launcher,
                 out_root)
     except LaunchFailed as e:
-        finish(e.kept(first), e.kept(rest), e.note)
+        finish(e.kept(coarse + fine), e.kept(held), e.note)
         raise
-    return finish(first, rest)
+    return finish(coarse + fine, held)
+
+
+def held_out_rates(choice: dict, point: dict, baseline: dict | None) -> list[str]:
+    """The rates a point's held-out seeds run at: its best, and for the baseline its second-best too (every verdict
+    is also judged against the baseline there)."""
+    second = choice.get("second_lr") if baseline and matches(point, baseline) else None
+    return [choice["best_lr"], *([second] if second is not None else [])]
+
+
+def protocol_shortfall(lr_values: list[str], select: list[int]) -> str | None:
+    """Why a sweep's plan cannot give a decisive word, whatever its runs show: too few rates or selection seeds."""
+    why = [f"{len(lr_values)} rates (a verdict needs at least {MIN_RATES})" if len(lr_values) < MIN_RATES else None,
+           f"{len(select)} selection seed{'s' * (len(select) != 1)} (a verdict needs {MIN_SELECT_SEEDS})"
+           if len(select) < MIN_SELECT_SEEDS else None]
+    return "; ".join(filter(None, why)) or None
+
+
+def check_not_selected(out_root: str, seeds: list[int]) -> None:
+    """selection.check_held_out as a SweepError: no seed that selected a rate in out_root is held out there."""
+    try:
+        check_selection_record(out_root, seeds)
+    except HeldOutError as e:
+        raise SweepError(str(e)) from None
+
+
+def sweep_context(argv: list[str], n_seeds: int) -> dict:
+    """What a sweep's table states beside its words and checks its picks by: its setup (the scale), its settings
+    (what claims and other sweeps are matched on) and its data's unigram loss (a cliff's floor; None off the lm
+    task or where the data is not prepared)."""
+    cfg, _ = train.load_config(argv)
+    unigram = unigram_loss(cfg.data_dir, cfg.dataset) if cfg.task == "lm" else None
+    return {"setup": run_setup(argv, n_seeds), "settings": run_settings(argv), "unigram": unigram}
+
+
+def claims_record(claims: Claims | list | None) -> dict:
+    """What a summary and a results file record of the claims, so that the tables regenerate from the results
+    alone: the claims file (its path, digest, whether it is committed, and its text), or the ad hoc claims."""
+    claims = as_claims(claims)
+    if claims.path:
+        return {"claims": {"path": claims.path, "sha256": claims.sha256, "state": committed_state(claims.path),
+                           "text": claims.text}}
+    ad_hoc = [[c.row, c.claim, c.delta] for c in claims.claims if c.claim is not None]
+    return {"ad_hoc_claims": [[c.row, c.claim, c.delta] for c in claims.claims]} if ad_hoc else {}
+
+
+def finished_wall_times(jobs: list[dict]) -> list[float]:
+    """The wall times (s) run.json records of the jobs' finished runs: what a plan estimates the rest by."""
+    return [t for job in jobs if job["state"] == "finished"
+            and isinstance(t := read_run_info(job["out_dir"]).get("wall_s"), (int, float))]
+
+
+def print_plan(coarse: list[dict], refinement, held_out, later: int, workers: int, threads: int) -> None:
+    """A dry run's plan: the runs of each phase (selection, refinement, held-out) and how many are left, each
+    phase planned exactly once the one before it has run (`refinement`, `held_out`: its jobs from the selection
+    jobs), else counted at most (`later`); from the finished runs' times, how long the rest takes and how many calls
+    of --budget (budget.plan_text); then the commands of the selection runs left."""
+    def left(jobs: list[dict]) -> int:
+        return sum(job["state"] != "finished" for job in jobs)
+
+    phases, done = {"selection": (len(coarse), left(coarse))}, list(coarse)
+    if not left(coarse):
+        fine = refinement(coarse)
+        phases["refinement"], done = (len(fine), left(fine)), done + fine
+        if not left(fine):
+            held = held_out(coarse + fine)
+            phases["held-out"], done = (len(held), left(held)), done + held
+    if len(phases) < 3:
+        phases["later phases (at most)"] = (later, None)
+    print(plan_text(phases, finished_wall_times(done), workers, CHILDREN.budget))
+    print(f"{workers} at a time with OMP_NUM_THREADS={threads}"
+          + ("; the selection runs left:" if left(coarse) else ""))
+    for job in coarse:
+        if job["state"] != "finished":
+            print(shlex.join(["python", "train.py", *job["argv"]]))
 
 
 def run_setup(argv: list[str], n_seeds: int) -> dict:
-    """What a figure's title states of a sweep: model size, data, steps, optimizer, seeds."""
+    """What a figure's title and a verdict's scale state of a sweep: model size, data, steps, tokens trained on,
+    optimizer, seeds."""
     cfg, model_args = train.load_config(argv)
     size = {k: model_args.get(k, getattr(GPTConfig, k)) for k in ("n_layer", "n_embd", "block_size")}
     if cfg.task == "icl" and "block_size" not in model_args:  # the task sets it (icl_task: 2 * icl_pairs)
         size["block_size"] = 2 * cfg.icl_pairs
     data = cfg.dataset if cfg.task == "lm" else f"least squares (T {cfg.icl_pairs})"
+    tokens = cfg.max_iters * cfg.gradient_accumulation_steps * cfg.batch_size * size["block_size"]
     return {**size, "task": cfg.task, "data": data, "dataset": cfg.dataset, "data_dir": cfg.data_dir,
-            "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds}
+            "batch_size": cfg.batch_size, "max_iters": cfg.max_iters, "optimizer": cfg.optimizer, "seeds": n_seeds,
+            "tokens": tokens}
 
 
 def run_settings(argv: list[str]) -> dict:
@@ -1366,62 +1238,7 @@ def run_settings(argv: list[str]) -> dict:
     return {k: v for k, v in settings.items() if k not in (*IGNORED_FLAGS, "seed")}
 
 
-def point_warnings(edge: str | None, losses: dict[int, float]) -> str | None:
-    """The edge warning, and a warning when the best rate (picked on the selection seeds) diverged or crashed on
-    a held-out seed: that pick is fragile, and the mean over the seeds that trained flatters it."""
-    failed = sorted(int(s) for s, x in losses.items() if not math.isfinite(x))
-    fragile = f"diverged or crashed at its best rate on seed {','.join(map(str, failed))}" if failed else None
-    return "; ".join(w for w in (edge, fragile) if w) or None
 
-
-def grid_shortfall(first_runs: list[dict], lr_key: str, best_lr: str | None) -> str | None:
-    """Why one point's learning-rate sweep cannot back a verdict (README, Comparing runs: at least MIN_RATES rates, the
-    best not on an edge; a single rate is its own edge), from the rates its first seed ran; None if it can.
-    A rate whose run crashed gave no result (a diverged one did), so it counts neither as a rate nor as an edge."""
-    failed = sorted({float(r[lr_key]) for r in first_runs if crashed(r)})
-    rates = sorted({float(r[lr_key]) for r in first_runs} - set(failed))
-    if best_lr is None:
-        return "no rate trained: every rate of the grid diverged or crashed"
-    if len(rates) < MIN_RATES:
-        why = f" ({', '.join(f'{x:g}' for x in failed)} crashed: run the sweep again)" if failed else ""
-        return f"{len(rates)} rate{'s' * (len(rates) != 1)} in the grid with a result{why}; the rule needs {MIN_RATES}"
-    if float(best_lr) in (rates[0], rates[-1]):
-        return "best rate on the grid's edge"
-    return None
-
-
-def lr_verdict(losses: dict, base_losses: dict, claim: str | None, delta: float, shortfalls: list[str | None]) -> dict:
-    """The verdict rule on two points' per-seed losses at their best rates, over held-out seeds (paired when they
-    share their seeds); a decisive word becomes "inconclusive at this scale" when either grid falls short (a
-    description stays, the shortfall said beside it)."""
-    seeds = sorted(losses)
-    paired = seeds == sorted(base_losses)
-    v = verdict([losses[s] for s in seeds], [base_losses[s] for s in (seeds if paired else sorted(base_losses))],
-                claim, delta, paired)
-    reason = "; ".join(dict.fromkeys(r for r in shortfalls if r))
-    if reason:
-        downgrade = claim is not None and v["verdict"] in DECISIVE
-        v = {**v, "verdict": INCONCLUSIVE if downgrade else v["verdict"],
-             "reason": "; ".join(r for r in (v["reason"], reason) if r)}
-        if downgrade:
-            v["seeds_needed"] = seeds_needed(v)
-    return v
-
-
-def verdict_text(v: dict) -> str:
-    """A verdict as the tables print it: the word, then why, the seeds an inconclusive one would take, and its p
-    (Holm-adjusted, with the family's size, where the table holds more than one test)."""
-    notes = [v["reason"]] if v.get("reason") else []
-    if v["verdict"] == INCONCLUSIVE and v["claim"] is not None:
-        target = "fit the interval inside ±δ" if v["claim"] == "on_par" else \
-            "detect δ" if v["delta"] else "detect the observed Δ"
-        notes.append(f"about {v['seeds_needed']} seeds per arm would {target}" if v["seeds_needed"] else
-                     f"no number of seeds found to {target}")
-    if v.get("family", 1) > 1:
-        notes.append(f"Holm-adjusted p={v['p_holm']:.2g} over {v['family']}")
-    elif v.get("p_word") is not None:
-        notes.append(f"p={v['p_word']:.2g}")
-    return v["verdict"] + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def check_held_out(select_seeds: list[int], seeds: list[int]) -> None:
@@ -1429,12 +1246,6 @@ def check_held_out(select_seeds: list[int], seeds: list[int]) -> None:
     if common := sorted(set(select_seeds) & set(seeds)):
         raise SweepError(f"seed {','.join(map(str, common))} is in both --select_seeds and --seeds: a seed that "
                          "picks the rate never enters a verdict; give the two lists no seed in common")
-
-
-def default_select_seed(seeds: list[int]) -> int:
-    """The selection seed when --select_seeds is not given: the smallest whole number not among the held-out
-    seeds (0 beside --seeds 1,2,3,4,5)."""
-    return next(s for s in itertools.count() if s not in seeds)
 
 
 def selection_seeds(summary: dict, runs: list[dict]) -> set[int]:
@@ -1472,76 +1283,9 @@ def checked_claim(claim: str, delta: str | None, flag: str = "--claim") -> tuple
     return (None if claim == "none" else claim), float(delta or 0)
 
 
-def claim_for(point: dict, claims: list | None) -> tuple[str | None, float]:
-    """The claim and δ a point is tested for: the last of `claims`, [(point values, claim, δ), ...] (the values {}
-    match every point), whose values the point has; (None, 0.0), a description, when none does."""
-    return next(((claim, delta) for values, claim, delta in reversed(claims or []) if matches(point, values)),
-                (None, 0.0))
 
 
-def verdict_columns(v: dict) -> dict:
-    """The columns a table prints of one comparison: the verdict (the word and why), claim, δ, Δ with its 95%
-    interval, mde, n (seeds per arm), p, and what an inconclusive one would take."""
-    if "claim" not in v:  # no verdict: trained at no rate, or another setup
-        return {"verdict": v["verdict"]}
-    return {"verdict": verdict_text(v), "claim": v["claim"] or "none", "delta": v["delta"] if v["claim"] else None,
-            "diff": v["diff"], "ci": v["ci"], "mde": v["mde"], "n_seeds": v["n"], "p": v["p"],
-            "p_holm": v.get("p_holm"), "seeds_needed": v["seeds_needed"], "diverged_runs": v["diverged"]}
 
-
-def add_verdicts(tests: list[tuple[dict, dict]]) -> None:
-    """Fill each (row, comparison) of one table with the comparison's columns, Holm-corrected over the table."""
-    corrected = correct_family([v for _, v in tests])
-    for (row, _), v in zip(tests, corrected, strict=True):
-        row.update(verdict_columns(v))
-
-
-def compared(point: dict, base: dict, claim: str | None, delta: float = 0.0) -> dict:
-    """The verdict of one point against the baseline point (each a row of an lr table: best_lr, seed_losses at it
-    over held-out seeds, grid_shortfall), or {"verdict": "no verdict: ..."} for a point that trained at no rate."""
-    if point["best_lr"] is None:
-        return {"verdict": "no verdict: trained at no rate (every rate diverged or crashed on the selection seeds)"}
-    if base["best_lr"] is None:
-        return {"verdict": "no verdict: the baseline trained at no rate"}
-    return lr_verdict(point["seed_losses"], base["seed_losses"], claim, delta,
-                      [point["grid_shortfall"], base["grid_shortfall"]])
-
-
-def lr_table(rows: list[dict], choice: list[dict], keys: list[str], lr_key: str, baseline: dict | None,
-             claims: list | None = None, select_seeds: list[int] = (), metric: str = "val_loss") -> list[dict]:
-    """One row per grid point: best rate, mean ± std (n) of the final val loss at it over the held-out seeds
-    (every seed but `select_seeds`), and, given a baseline point, the verdict rule against it for each point's
-    claim and δ (claim_for(point, claims); lr_verdict: inconclusive when a grid is too short or a best rate on its
-    edge), Holm-corrected over the table. A point that trained at no rate says so in place of a verdict."""
-    def runs_of(c: dict) -> list[dict]:
-        return [r for r in rows if matches(r, {k: c[k] for k in keys})]
-
-    def seeds_at_best(c: dict) -> dict[int, float]:
-        return {r["seed"]: final_loss(r, metric) for r in runs_of(c) if c["best_lr"] is not None
-                and str(r[lr_key]) == str(c["best_lr"]) and r["seed"] not in select_seeds}
-
-    def shortfall(c: dict) -> str | None:
-        return grid_shortfall(first_seed_runs(runs_of(c), lr_key), lr_key, c["best_lr"])
-
-    base = next((c for c in choice if baseline and matches(c, baseline)), None)
-    base_losses = seeds_at_best(base) if base else {}
-    table, tests = [], []
-    for c in choice:
-        losses = seeds_at_best(c)
-        finite = [x for x in losses.values() if math.isfinite(x)]
-        text = "-" if not finite else f"{statistics.fmean(finite):.4f}" + (
-            f" ± {statistics.stdev(finite):.4f}" if len(finite) > 1 else "") + f" (n={len(finite)})"
-        row = {**{k: c[k] for k in keys}, "best_lr": c["best_lr"], "val_loss_mean_std": text,
-               "val_loss_mean": statistics.fmean(finite) if finite else None, "seed_losses": losses,
-               "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": ",".join(c["crashed_lrs"]) or None,
-               "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
-               "grid_shortfall": shortfall(c)}
-        if base is not None and c is not base:
-            tests.append((row, compared(row, {"best_lr": base["best_lr"], "seed_losses": base_losses,
-                                              "grid_shortfall": shortfall(base)}, *claim_for(row, claims))))
-        table.append(row)
-    add_verdicts(tests)
-    return table
 
 
 def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: list[str], lr_key: str,
@@ -1552,10 +1296,8 @@ def write_lr_summary(out_root: str, rows: list[dict], table: list[dict], keys: l
     metric = recorded.get("metric", "val_loss")
     run_columns = [*keys, lr_key, "seed", "train_loss", *dict.fromkeys(["val_loss", metric]), *extra, "diverged_at",
                    "exit_code", "wall_s", "ms_per_iter"]
-    point_columns = [*keys, "best_lr", "val_loss_mean_std", "diverged_lrs", "crashed_lrs", "lr_sensitivity",
-                     *(VERDICT_COLUMNS if any("verdict" in r for r in table) else []), "edge_warning"]
     cpu_s = sum(r["wall_s"] or 0.0 for r in rows)
-    text = "\n\n".join([format_table(rows, run_columns), format_table(table, point_columns, metric),
+    text = "\n\n".join([format_table(rows, run_columns), point_table_text(table, keys, recorded.get("setup"), metric),
                         f"{len(rows)} runs, {cpu_s / 60:.1f} min of run time in all.", *([note] if note else [])])
     print("\n" + text)
     write_summary_files(out_root, title, text,
@@ -1639,6 +1381,12 @@ def summary_mismatch(root: str, summary: dict) -> str | None:
         stored = {str(s): math.inf if v is None else v for s, v in p["seed_losses"].items()}
         if stored != runs:
             return f"point {at_best}: seed_losses {p['seed_losses']}, its runs' final losses {runs}"
+        if p.get("second_seed_losses"):  # a baseline's held-out runs at its second-best rate
+            second = {**at_best, lr_key: p.get("second_lr")}
+            runs = {str(r["seed"]): final_loss(r, metric) for r in summary["runs"] if matches(r, second)
+                    and r["seed"] not in picked}
+            if {str(s): math.inf if v is None else v for s, v in p["second_seed_losses"].items()} != runs:
+                return f"point {second}: second_seed_losses {p['second_seed_losses']}, its runs' final losses {runs}"
     for r in summary["runs"]:
         if not isinstance(r.get("out_dir"), str):
             continue
@@ -1727,33 +1475,24 @@ def setup_difference(summary: dict, base: dict) -> str | None:
     return ", ".join(differ) or None
 
 
-def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | None = None) -> list[dict]:
+def leaderboard(roots: list[str], baseline: dict | None = None, claims: Claims | list | None = None) -> list[dict]:
     """One table over the per-point tables of several --lr_grid sweeps (their summary.json): every point at
     its own best rate, sorted by mean final val loss, with the verdict rule against the baseline point (the
-    first root's, if several match; `compared`, as in each sweep's own table) for each point's claim and δ
-    (claim_for(point, claims); no claims: a description of each row, not a verdict), Holm-corrected over the
-    table, on held-out seeds only (a seed that picked a rate never counts, see selection_seeds). A point of a
-    sweep whose recorded setup or fixed settings differ from the baseline's gets no verdict, and the row says what
-    differs. Points with the same settings in two roots are told apart by the root; a root given twice (another
-    spelling of one folder) is read once."""
-    points = []
+    first root's, if several match; at its best rate and its second-best, as in each sweep's own table) for each
+    point's claim (claims.for_row of its values over its sweep's settings; no claim: a description, not a
+    verdict), Holm-corrected within each family of claims, on held-out seeds only (a seed that selected a rate
+    in its sweep's folder never counts, see board_point). A point of a sweep whose recorded setup or fixed
+    settings differ from the baseline's gets no verdict, and the row says what differs. Points with the same
+    settings in two roots are told apart by the root; a root given twice (another spelling of one folder) is read
+    once."""
+    claims = as_claims(claims)
     summaries = [(root, read_lr_summary(root)) for root in distinct_folders(roots)]
     check_recorded_data(summaries)
     metrics = {root: summary_metric(s) for root, s in summaries}
     if len(set(metrics.values())) > 1:
         raise SweepError("the sweeps were judged on different metrics (" + ", ".join(f"{r}: {m}" for r, m in
                          metrics.items()) + "): run them again with one --metric to compare them")
-    for root, summary in summaries:
-        keys, lr_key = summary["keys"], summary["lr_key"]
-        for point in summary["lr_points"]:
-            runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
-            label = ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root))
-            first = first_seed_runs(runs, lr_key)
-            picked = selection_seeds(summary, runs)
-            points.append({**point, "label": label, "root": root, "summary": summary, "lr_key": lr_key,
-                           "seed_losses": {int(s): v for s, v in point["seed_losses"].items() if int(s) not in picked},
-                           "first_runs": first, "grid_shortfall": grid_shortfall(first, lr_key, point["best_lr"]),
-                           "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60})
+    points = [board_point(root, summary, point) for root, summary in summaries for point in summary["lr_points"]]
     # the sensitivity depends on the grid: every arm's over the rates all of them ran
     shared = set.intersection(*({float(r[p["lr_key"]]) for r in p["first_runs"]} for p in points)) if points else set()
     over = ", ".join(f"{x:g}" for x in sorted(shared))
@@ -1777,20 +1516,51 @@ def leaderboard(roots: list[str], baseline: dict | None = None, claims: list | N
             if differ:
                 row["verdict"] = f"no verdict: another setup ({differ})"
             else:
-                tests.append((row, compared(p, base, *claim_for(p, claims))))
+                setup = p["summary"].get("setup")
+                tests.append({**comparison(p, base, claims.for_row({**p["summary"].get("settings", {}), **p}),
+                                           scale_text({**setup, **p}) if setup else None), "row": row})
         table.append(row)
-    add_verdicts(tests)
+    add_verdicts(tests, claims)
     return table
 
 
-def check_claimed_rows(points: list[dict], claims: list | None) -> None:
-    """Refuse a --row_claim that names no row of the leaderboard (a mistyped value would leave its row described,
-    not judged), listing the rows there are."""
-    for values, _, _ in (claims or [])[1:]:
-        if values and not any(matches(p, values) for p in points):
+def board_point(root: str, summary: dict, point: dict) -> dict:
+    """One point of a sweep's summary as the leaderboard compares it: its held-out losses at its best rate (and at
+    its second-best, for a baseline), leaving out every seed that selected a rate in its folder (the summary's
+    selection seeds and those out_root/selection_seeds.json keeps), and why its grid cannot back a verdict."""
+    keys, lr_key, metric = summary["keys"], summary["lr_key"], summary_metric(summary)
+    runs = [r for r in summary["runs"] if matches(r, {k: point[k] for k in keys})]
+    try:
+        picked = selection_seeds(summary, runs) | recorded_selection_seeds(root)
+    except HeldOutError as e:
+        raise SweepError(str(e)) from None
+    selection = [r for r in runs if r["seed"] in picked]
+    return {**point, "label": ", ".join(f"{k}={point[k]}" for k in keys) or os.path.basename(os.path.normpath(root)),
+            "root": root, "summary": summary, "lr_key": lr_key,
+            "seed_losses": {int(s): v for s, v in point["seed_losses"].items() if int(s) not in picked},
+            "second_seed_losses": held_out_losses(runs, lr_key, point.get("second_lr"), picked, metric),
+            "first_runs": first_seed_runs(selection, lr_key),
+            "grid_shortfall": grid_shortfall(selection, lr_key, point["best_lr"], summary.get("unigram_loss"), metric),
+            "run_minutes": sum(r.get("wall_s") or 0.0 for r in runs) / 60}
+
+
+def check_claimed_rows(points: list[dict], claims: Claims) -> None:
+    """Refuse an ad hoc --row_claim that names no row of the leaderboard (a mistyped value would leave its row
+    described, not judged), listing the rows there are. A claims file's claims may name rows of other tables."""
+    for claim in () if claims.path else claims.claims:
+        if claim.row and not any(matches(p, claim.row) for p in points):
             rows = "; ".join(dict.fromkeys(", ".join(f"{k}={p[k]}" for k in p["summary"]["keys"]) for p in points))
-            named = ",".join(f"{k}={v}" for k, v in values.items())
+            named = ",".join(f"{k}={v}" for k, v in claim.row.items())
             raise SweepError(f"--row_claim {named} matches no row of the leaderboard; its rows are: {rows}")
+
+
+# ----------------------------------------------------------------------------- tables from the results files
+
+
+def results_tables(folder: str) -> str:
+    """--tables: the verdict tables (markdown) of every study under a results folder, from its files alone
+    (results.study_tables); plot.py --tables writes them with a learning-rate figure per sweep."""
+    return "\n\n".join(text for _, text, _ in study_tables(folder))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1819,8 +1589,9 @@ def main(argv: list[str] | None = None) -> int:
                         "learning_rate unless set (default: learning_rate)")
     parser.add_argument("--select_seeds", metavar="S1,S2,...",
                         help="with --lr_grid: the seeds that run every rate and pick each point's best (on their mean "
-                        "final val loss; a rate that diverged on one ranks last); they never enter a verdict "
-                        "(default: one seed not in --seeds, the smallest whole number)")
+                        "final val loss; a rate that diverged on one ranks last); they never enter a verdict, in this "
+                        f"folder ever (default: {MIN_SELECT_SEEDS} seeds not in --seeds, the smallest whole numbers; a "
+                        f"decisive word needs {MIN_SELECT_SEEDS})")
     parser.add_argument("--lr_seeds", type=int, metavar="N", help="replaced by --select_seeds (refused)")
     parser.add_argument("--claim", choices=("lower", "higher", "on_par", "none"), default="none",
                         help="with --baseline: what the paper claims of each point's final val loss against the "
@@ -1832,6 +1603,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="a point's own claim and δ over --claim's (repeatable), e.g. "
                         "norm_scheme=geonorm:lower:0.05 norm_scheme=post:none; a row whose paper makes no claim "
                         "against the baseline gets none")
+    parser.add_argument("--claims", metavar="FILE", help="a claims file (nanonorm/claims.py: JSON, committed before "
+                        "the runs): each row's claim, δ, paper and family; the baseline is its own. Replaces --claim "
+                        "and --row_claim, whose claims are ad hoc (one family of their own rows)")
+    parser.add_argument("--refine", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --lr_grid: after the grid, run the two rates at ×√3 around each point's pick on the "
+                        "selection seeds and take the finer grid's best (default: on)")
+    parser.add_argument("--results", metavar="DIR", help="with --lr_grid: also write the sweep's per-run numbers to "
+                        "DIR/<out_root's name>.jsonl (a study's folder of results, kept in git)")
+    parser.add_argument("--tables", metavar="DIR", help="print the verdict tables of the results files under DIR (its "
+                        "*.jsonl and each subfolder's: one study each) from those files alone, and stop (plot.py "
+                        "--tables DIR --out OUT writes them with their figures)")
+    parser.add_argument("--budget", type=float, metavar="SECONDS", help="run runs for at most this long in this call "
+                        f"(a GPU's lease): at the end the running runs save and stop, the sweep exits {BUDGET_EXIT}, "
+                        "and the same command continues; with --jobs N, N runs share the device at a time")
     parser.add_argument("--metric", choices=METRICS, default="val_loss",
                         help="the final value each rate pick, mean and verdict is made on: val_loss (nats per token) "
                         "or val_bpb (bits per byte of the val text, comparable across tokenizers; LM runs)")
@@ -1862,14 +1647,44 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
 
 
-def parse_claims(args: argparse.Namespace) -> list[tuple[dict, str | None, float]]:
-    """The claims of --claim/--delta (every point) and --row_claim (a point's own), as claim_for reads them;
-    refused without the --baseline they are claims against."""
-    given = args.claim != "none" or args.delta is not None or args.row_claim
-    if given and not args.baseline:
+def parse_claims(args: argparse.Namespace) -> tuple[Claims, dict | None]:
+    """The claims and the baseline: a claims file's (--claims; a --baseline must agree with its own), or the ad hoc
+    claims of --claim/--delta (every point) and --row_claim (a point's own), refused without the --baseline they
+    are claims against."""
+    baseline = parse_assignments(args.baseline, "--baseline") or None
+    adhoc = args.claim != "none" or args.delta is not None or args.row_claim
+    if args.claims:
+        if adhoc:
+            raise SweepError("give the claims by --claims FILE or by --claim/--delta/--row_claim, not both")
+        try:
+            claims = read_claims(args.claims)
+        except ClaimsError as e:
+            raise SweepError(str(e)) from None
+        if baseline and baseline != claims.baseline:
+            raise SweepError(f"--baseline {' '.join(args.baseline)} is not the baseline of {args.claims} "
+                             f"({claims.baseline}); leave --baseline out, or give the file's")
+        return claims, claims.baseline
+    if adhoc and not baseline:
         raise SweepError("--claim, --delta and --row_claim state what is claimed against --baseline; give "
                          "--baseline key=value")
-    return [({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]
+    return as_claims([({}, *checked_claim(args.claim, args.delta)), *(parse_claim(c) for c in args.row_claim)]), \
+        baseline
+
+
+def print_leaderboard(roots: list[str], baseline: dict | None, claims: Claims) -> None:
+    """--leaderboard: the table over the sweeps, the rates its sensitivity is over and its run time."""
+    table = leaderboard(roots, baseline, claims)
+    print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "verdict_second",
+                               "diverged_lrs", "lr_sensitivity", "run_minutes", "edge_warning"],
+                       table[0]["metric"] if table else "val_loss"))
+    rates = table[0]["lr_sensitivity_rates"] if table else ""
+    print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
+          f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+
+
+def in_grid(values: dict, grid: dict[str, list]) -> bool:
+    """Whether every key=value is a value of the grid."""
+    return all(k in grid and v in grid[k] for k, v in values.items())
 
 
 def make_launcher(args: argparse.Namespace, dry_run: bool) -> Launcher:
@@ -1916,30 +1731,44 @@ def with_wandb_group(config: str, fixed: dict, group: str | None, out_root: str)
 
 def run_command(args: argparse.Namespace) -> int:
     """main() past the parsing: the exit code of what args ask for."""
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        print(f"error: --budget {args.budget:g}: give the seconds this call may run runs for, a number > 0",
+              file=sys.stderr)
+        return 2
+    CHILDREN.set_budget(args.budget)
+    try:
+        return run_commands(args)
+    finally:
+        CHILDREN.set_budget(None)
+
+
+def run_commands(args: argparse.Namespace) -> int:
+    """run_command's work: the exit code of what args ask for."""
     try:
         if args.lr_seeds is not None:
             raise SweepError("--lr_seeds is replaced by --select_seeds: the rate is picked on seeds that never enter "
                              "a verdict, e.g. --select_seeds 0 --seeds 1,2,3,4,5 (for --lr_seeds 2 --seeds 1,2,3: "
                              "--select_seeds 1,2 --seeds 3 and more held-out seeds)")
-        claims = parse_claims(args)
+        if args.tables:
+            print(results_tables(args.tables), end="")
+            return 0
+        claims, baseline = parse_claims(args)
         if args.leaderboard:
-            table = leaderboard(args.leaderboard, parse_assignments(args.baseline, "--baseline") or None, claims)
-            print(format_table(table, ["label", "best_lr", "val_loss_mean_std", *VERDICT_COLUMNS, "diverged_lrs",
-                                       "lr_sensitivity", "run_minutes", "edge_warning"],
-                               table[0]["metric"] if table else "val_loss"))
-            rates = table[0]["lr_sensitivity_rates"] if table else ""
-            print(f"\nlr sensitivity over the rates every arm ran: {rates or 'none'}"
-                  f"\n{sum(r['run_minutes'] for r in table):.1f} min of run time in all")
+            print_leaderboard(args.leaderboard, baseline, claims)
             return 0
         if args.config is None:
-            raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ...")
+            raise SweepError("give a config file to sweep, or --leaderboard OUT_ROOT ..., or --tables RESULTS")
+        if not args.lr_grid and (args.claims or args.results):
+            raise SweepError(f"{'--claims' if args.claims else '--results'} goes with --lr_grid: a grid at one rate "
+                             "gives no verdict and writes no results; give --lr_grid RATES")
         grid = {k: distinct_values(v, f"--grid {k}") for k, v in parse_assignments(args.grid, "--grid").items()}
-        baseline = parse_assignments(args.baseline, "--baseline")
-        if any(k not in grid or v not in grid[k] for k, v in baseline.items()):
-            raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
-        for values, _, _ in claims[1:]:
-            if any(k not in grid or v not in grid[k] for k, v in values.items()):
-                raise SweepError(f"--row_claim: {values} is not a point of the grid {grid}")
+        if baseline and not in_grid(baseline, grid):
+            if not claims.path:
+                raise SweepError(f"--baseline {' '.join(args.baseline)} is not in the grid {grid}")
+            baseline = None  # a claims file's baseline swept elsewhere: the leaderboard judges these rows
+        for claim in () if claims.path else claims.claims:
+            if not in_grid(claim.row, grid):
+                raise SweepError(f"--row_claim: {claim.row} is not a point of the grid {grid}")
         if not os.path.isfile(args.config):
             raise SweepError(f"config file {args.config!r} not found (see configs/ for examples)")
         if args.jobs != "auto" and not (args.jobs.isdigit() and int(args.jobs) >= 1):
@@ -1985,12 +1814,15 @@ def run_command(args: argparse.Namespace) -> int:
         with contextlib.nullcontext() if args.dry_run else OutDirLock(out_root, "--out_root", "sweep"):
             if lr_values:
                 table = run_lr_sweep(args.config, grid, lr_values, lr_keys, seeds, fixed, out_root, args.jobs,
-                                     args.threads_per_run, args.rerun, baseline or None, claims, args.dry_run,
-                                     extra, select, args.metric, launcher)
+                                     args.threads_per_run, args.rerun, baseline, claims, args.dry_run,
+                                     extra, select, args.refine, args.results, args.metric, launcher)
                 return int(any(row["crashed_lrs"] for row in table))
             rows = run_sweep(args.config, grid, seeds, fixed, out_root, args.jobs, args.threads_per_run, args.rerun,
-                             baseline or None, args.dry_run, extra, args.metric, launcher)
-    except (SweepError, ConfigError, RunFileError, LaunchError) as e:
+                             baseline, args.dry_run, extra, args.metric, launcher)
+    except BudgetSpent as e:
+        print(f"budget: {e}")
+        return BUDGET_EXIT
+    except (SweepError, ConfigError, RunFileError, ClaimsError, ResultsError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LaunchFailed as e:

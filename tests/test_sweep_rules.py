@@ -17,6 +17,7 @@ import plot
 import sweep
 import train
 from model import GPTConfig
+from nanonorm import verdict as rule
 from nanonorm.run_files import OutDirLock
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
@@ -29,25 +30,29 @@ SETUP = {"n_layer": 2, "n_embd": 16, "block_size": 32, "task": "lm", "data": "sh
 LOWER = [({}, "lower", 0.0)]  # every point claimed lower than the baseline, by any amount
 
 
-def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre", claims: list | None = LOWER
-             ) -> list[dict]:
-    """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on selection
-    seed 0, then on held-out seeds 1, 2, ...]}} (None: diverged, "crash": crashed), picking each scheme's best rate
-    on seed 0; returns the point table."""
+SELECT = [0, 100, 101]  # three selection seeds, as a decisive word needs
+
+
+def lr_sweep(root, losses: dict, setup: dict = SETUP, baseline: str | None = "pre", claims: list | None = LOWER,
+             select: list[int] = SELECT, unigram: float | None = None) -> list[dict]:
+    """Write root/summary.json as `sweep.py --lr_grid` would for `losses` = {scheme: {rate: [loss on each selection
+    seed, then on held-out seeds 1, 2, ...]}} (None: diverged, "crash": crashed), picking each scheme's best rate
+    on the selection seeds; returns the point table."""
     outcome = {None: (5, 3), "crash": (None, 1)}  # loss -> (diverged_at, exit_code)
+    seeded = [(scheme, lr, seed, x) for scheme, by_rate in losses.items() for lr, xs in by_rate.items()
+              for seed, x in [*((s, xs[0]) for s in select), *enumerate(xs[1:], start=1)]]
     rows = [{"norm_scheme": scheme, "learning_rate": lr, "seed": seed, "val_loss": x if x not in outcome else None,
              "out_dir": f"norm_scheme={scheme},learning_rate={lr},seed={seed}",
              "wall_s": 1.0, "diverged_at": outcome.get(x, (None, 0))[0], "exit_code": outcome.get(x, (None, 0))[1]}
-            for scheme, by_rate in losses.items() for lr, xs in by_rate.items() for seed, x in enumerate(xs)]
-    rates = list(dict.fromkeys(lr for by_rate in losses.values() for lr in by_rate))
+            for scheme, lr, seed, x in seeded]
     choice = [{"norm_scheme": scheme, **sweep.pick_best([r for r in rows if r["norm_scheme"] == scheme
-                                                         and r["seed"] == 0], "learning_rate", rates)}
+                                                         and r["seed"] in select], "learning_rate", unigram=unigram)}
               for scheme in losses]
     table = sweep.lr_table(rows, choice, ["norm_scheme"], "learning_rate", baseline and {"norm_scheme": baseline},
-                           claims, [0])
+                           claims, select, unigram, setup=setup)
     os.makedirs(root, exist_ok=True)
     sweep.write_lr_summary(str(root), rows, table, ["norm_scheme"], "learning_rate", [], "synthetic",
-                           {"select_seeds": [0], "setup": setup, "settings": {},
+                           {"select_seeds": select, "setup": setup, "settings": {}, "unigram_loss": unigram,
                             "swept": ["norm_scheme", "learning_rate"]})
     return table
 
@@ -138,10 +143,10 @@ def test_noise_is_inconclusive_with_the_seeds_its_mde_needs():
     se = v["sd"] / math.sqrt(5)
     assert v["mde"] == pytest.approx((2.776 + 0.941) * se, rel=1e-3)  # t(0.975, 4) and t(0.8, 4) from a t table
     n = v["seeds_needed"]  # the fewest seeds per arm whose mde, at this spread, reaches δ
-    assert 5 < n < 100 and sweep.mde(v["sd"] / math.sqrt(n), n - 1) <= 0.05 < sweep.mde(v["sd"] / math.sqrt(n - 1),
+    assert 5 < n < 100 and rule.mde(v["sd"] / math.sqrt(n), n - 1) <= 0.05 < rule.mde(v["sd"] / math.sqrt(n - 1),
                                                                                           n - 2)
     no_delta = sweep.verdict(shifted(NOISE), BASE, "lower", paired=True)  # δ = 0: the seeds to see the observed Δ
-    assert no_delta["seeds_needed"] > n and f"about {no_delta['seeds_needed']} seeds" in sweep.verdict_text(no_delta)
+    assert no_delta["seeds_needed"] > n and f"about {no_delta['seeds_needed']} seeds" in rule.verdict_text(no_delta)
 
 
 def test_on_par_is_equivalence_within_the_margin():
@@ -180,30 +185,31 @@ def test_divergence_is_k_of_n_per_arm_compared_by_fishers_exact_test():
     assert sweep.verdict(BASE, [math.inf] * 5, "lower")["verdict"] == "reproduced"
     assert sweep.verdict([math.inf] * 5, BASE, "higher", 0.05)["verdict"] == "reproduced"
     assert sweep.verdict([math.inf] * 5, BASE, "on_par", 0.05)["verdict"] == "contradicted"
-    # one of five: not told apart (p = 1), so the losses decide over the seeds where both finished
-    one = sweep.verdict([math.inf, *shifted(-0.2)[1:]], BASE, "lower", 0.05, paired=True)
+    # one of six: not told apart (p = 1), so the losses decide over the five seeds where both finished
+    six = [*BASE, 2.0]
+    one = sweep.verdict([math.inf, *shifted(-0.2, six)[1:]], six, "lower", 0.05, paired=True)
     assert one["verdict"] == "reproduced" and one["p_diverged"] == pytest.approx(1.0)
-    assert one["diff"] == pytest.approx(-0.2) and "diverged on 1 of 5" in one["reason"]
+    assert one["diff"] == pytest.approx(-0.2) and "diverged on 1 of 6" in one["reason"]
 
 
 GAIN = [-0.02, -0.05, -0.01, -0.04, -0.005]  # a gain with p between 0.05 / 3 and 0.05 (paired)
 
 
 def test_holm_corrects_within_a_family():
-    assert sweep.holm([0.01, 0.02, 0.03, 0.04]) == [True, False, False, False]  # each < 0.05 alone
-    assert sweep.holm([0.04, 0.01, 0.02]) == [True, True, True]  # Bonferroni (0.05 / 3) would keep only 0.01
-    assert sweep.holm_adjusted([0.01, 0.02, 0.03, 0.04]) == pytest.approx([0.04, 0.06, 0.06, 0.06])
+    assert rule.holm([0.01, 0.02, 0.03, 0.04]) == [True, False, False, False]  # each < 0.05 alone
+    assert rule.holm([0.04, 0.01, 0.02]) == [True, True, True]  # Bonferroni (0.05 / 3) would keep only 0.01
+    assert rule.holm_adjusted([0.01, 0.02, 0.03, 0.04]) == pytest.approx([0.04, 0.06, 0.06, 0.06])
     alone = sweep.verdict(shifted(GAIN), BASE, "lower", paired=True)
     assert alone["verdict"] == "reproduced" and 0.05 / 3 < alone["p_word"] < 0.05
-    family = sweep.correct_family([alone, alone, sweep.verdict(shifted(-0.3), BASE, "lower", paired=True), None])
+    family = rule.correct_family([alone, alone, sweep.verdict(shifted(-0.3), BASE, "lower", paired=True), None])
     assert [v and v["verdict"] for v in family] == ["inconclusive at this scale"] * 2 + ["reproduced", None]
-    assert family[0]["family"] == 3 and "Holm" in sweep.verdict_text(family[0])
+    assert family[0]["family_size"] == 3 and "Holm" in rule.verdict_text(family[0])
 
 
 def test_tables_apply_holm_over_their_rows(tmp_path):
     arms = {"pre": curve("1e-3", [2.0, *BASE]), **{s: curve("1e-3", [2.0, *shifted(GAIN)]) for s in ("a", "b")}}
     table = lr_sweep(tmp_path, arms)
-    assert [row["verdict"].split(" (")[0] for row in table[1:]] == ["inconclusive at this scale"] * 2
+    assert all(row["verdict"].startswith("inconclusive at this scale") for row in table[1:])
     assert "Holm-adjusted p" in table[1]["verdict"]
     assert lr_sweep(tmp_path / "one", {s: arms[s] for s in ("pre", "a")})[1]["verdict"].startswith("reproduced")
     board = sweep.leaderboard([str(tmp_path)], {"norm_scheme": "pre"}, LOWER)
@@ -355,7 +361,8 @@ def test_a_run_evaluated_at_max_iters_is_a_result_whatever_exit_code_run_json_re
     [row], [point] = summary["runs"], summary["grid_points"]
     assert row["exit_code"] == exit_code and point["val_loss_mean"] == 2.1  # the recorded code still shows
     assert not sweep.crashed(row) and sweep.final_loss(row) == 2.1
-    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--out_root", lr]) == 0
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--select_seeds", "0",
+                       "--out_root", lr]) == 0
     [point] = json.loads(pathlib.Path(lr, "summary.json").read_text())["lr_points"]
     assert point["best_lr"] == "1e-3" and point["crashed_lrs"] is None and point["val_loss_mean"] == 2.1
 
@@ -561,7 +568,7 @@ def test_leaderboard_states_the_fragile_best_rate_once(tmp_path):
 
 
 def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
-    lr_sweep(tmp_path / "a", {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, baseline=None)
+    lr_sweep(tmp_path / "a", {"pre": curve("1e-3", [2.0, 2.02, 1.98])}, baseline=None, select=[0])
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     renamed = {0: 3, 1: 1, 2: 2}  # seeds 0, 1, 2 become 3, 1, 2: seed 3 ran every rate
     for r in summary["runs"]:
@@ -570,7 +577,7 @@ def test_lr_figure_draws_each_sweeps_own_first_seed(tmp_path):
         p["seed_losses"] = {str(renamed[int(s)]): v for s, v in p["seed_losses"].items()}
     summary["select_seeds"] = [3]
     (tmp_path / "a" / "summary.json").write_text(json.dumps(summary))
-    lr_sweep(tmp_path / "b", {"post": curve("3e-3", [2.5, 2.52, 2.48])}, baseline=None)
+    lr_sweep(tmp_path / "b", {"post": curve("3e-3", [2.5, 2.52, 2.48])}, baseline=None, select=[0])
     b = json.loads((tmp_path / "b" / "summary.json").read_text())
     for r in b["runs"]:
         r["seed"] += 4  # seeds 4, 5, 6
@@ -587,8 +594,8 @@ def test_lr_figure_legend_states_each_comparison(tmp_path):
     lr_sweep(tmp_path, {"pre": curve("1e-3", PRE), "post": curve("1e-3", POST)}, claims=[({}, "lower", 0.05)])
     legend = [t.get_text() for t in plot.draw_lr_sensitivity([str(tmp_path)]).axes[0].get_legend().get_texts()]
     assert legend[0] == "pre: 2.0000 ± 0.0158 (n=5) at lr 1e-3"  # the baseline
-    assert legend[1] == ("post: 2.5000 ± 0.0158 (n=5) at lr 1e-3\n  vs baseline, lower by δ=0.05: contradicted; "
-                         "Δ +0.5000 [+0.5000, +0.5000] mde 0.0000 n 5 vs 5")
+    assert legend[1] == ("post: 2.5000 ± 0.0158 (n=5) at lr 1e-3\n  vs baseline, lower by δ=0.05: contradicted at "
+                         "shakespeare_char, L 2, d 16; Δ +0.5000 [+0.5000, +0.5000] mde 0.0000 n 5 vs 5")
 
 
 def test_lr_figure_title_leaves_out_swept_keys_and_states_the_tasks_context(tmp_path):
@@ -621,7 +628,8 @@ def test_a_run_continued_past_max_iters_counts_at_the_sweeps_max_iters(tmp_path)
     summary = json.loads(pathlib.Path(plain, "summary.json").read_text())
     [row], [point] = summary["runs"], summary["grid_points"]
     assert (row["val_loss"], row["train_loss"], row["diverged_at"], point["val_loss_mean"]) == (2.1, 2.0, None, 2.1)
-    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--out_root", lr]) == 0
+    assert sweep.main([CONFIG, "--set", "max_iters=4", "--seeds", "1", "--lr_grid", "1e-3", "--select_seeds", "0",
+                       "--out_root", lr]) == 0
     [point] = json.loads(pathlib.Path(lr, "summary.json").read_text())["lr_points"]
     assert point["val_loss_mean"] == 2.1 and point["diverged_lrs"] is None
     assert sweep.leaderboard([lr])[0]["val_loss_mean_std"] == point["val_loss_mean_std"]  # agrees with its runs
@@ -707,13 +715,15 @@ def bpb_sweep(root, metric: str) -> list[dict]:
              "out_dir": f"dataset={name},learning_rate={lr},seed={seed}", "wall_s": 1.0, "diverged_at": None,
              "exit_code": 0}
             for name, ratio in per_byte.items() for lr, xs in curve("1e-3", held[name]).items()
-            for seed, x in enumerate(xs)]
-    choice = [{"dataset": name, **sweep.pick_best([r for r in rows if r["dataset"] == name and r["seed"] == 0],
-                                                  "learning_rate", RATES, metric)} for name in per_byte]
-    table = sweep.lr_table(rows, choice, ["dataset"], "learning_rate", {"dataset": "char"}, LOWER, [0], metric)
+            for seed, x in [*((s, xs[0]) for s in SELECT), *enumerate(xs[1:], start=1)]]
+    choice = [{"dataset": name, **sweep.pick_best([r for r in rows if r["dataset"] == name and r["seed"] in SELECT],
+                                                  "learning_rate", RATES, metric=metric)} for name in per_byte]
+    table = sweep.lr_table(rows, choice, ["dataset"], "learning_rate", {"dataset": "char"}, LOWER, SELECT,
+                           setup=SETUP, metric=metric)
+    os.makedirs(root, exist_ok=True)
     sweep.write_lr_summary(str(root), rows, table, ["dataset"], "learning_rate", [], "synthetic",
-                           {"select_seeds": [0], "setup": SETUP, "settings": {}, "swept": ["dataset", "learning_rate"],
-                            "metric": metric})
+                           {"select_seeds": SELECT, "setup": SETUP, "settings": {},
+                            "swept": ["dataset", "learning_rate"], "metric": metric})
     return table
 
 

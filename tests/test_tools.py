@@ -22,6 +22,8 @@ import sample
 import sweep
 import train
 from nanonorm import runs
+from nanonorm import verdict as rule
+from nanonorm.lr_table import point_warnings
 
 CONFIG = os.path.join(ROOT, "configs", "cpu_base.py")
 
@@ -444,11 +446,11 @@ def test_seed_means_keep_a_diverged_seed_out_of_the_mean_and_name_it(tmp_path, m
 def test_the_interval_uses_students_t_quantiles():
     # paired by seed, five differences: the half-width is t(0.975, 4) = 2.776 (a t table, 4 significant digits,
     # hence the 1e-3 tolerance) times their standard error, around their mean 0.1
-    v = sweep.compare_arms([1.1, 1.0, 1.2, 1.05, 1.15], [1.0] * 5, paired=True)
+    v = rule.compare_arms([1.1, 1.0, 1.2, 1.05, 1.15], [1.0] * 5, paired=True)
     se = statistics.stdev([0.1, 0.0, 0.2, 0.05, 0.15]) / math.sqrt(5)
     assert v["diff"] == pytest.approx(0.1) and v["se"] == pytest.approx(se) and v["df"] == 4
     assert (v["ci"][1] - v["ci"][0]) / 2 == pytest.approx(2.776 * se, rel=1e-3)
-    welch = sweep.compare_arms([1.0, 1.2, 1.1], [2.0, 2.0, 2.0])  # the second arm has no spread: df = 3 - 1
+    welch = rule.compare_arms([1.0, 1.2, 1.1], [2.0, 2.0, 2.0])  # the second arm has no spread: df = 3 - 1
     assert welch["df"] == pytest.approx(2) and welch["ci"][1] - welch["diff"] == pytest.approx(4.303 * welch["se"],
                                                                                               rel=1e-3)
 
@@ -525,7 +527,7 @@ def test_select_seeds_pick_the_rate_on_their_mean_and_are_not_held_out(capsys, t
     assert sweep.pick_best(noisy, "learning_rate", grid)["best_lr"] == "3e-3"  # mean 2.10 against 2.15
     # every rate runs on each selection seed; the held-out seeds wait for the best rate
     argv = [CONFIG, "--lr_grid", "1e-3,1e-2", "--seeds", "1,2,3", "--out_root", str(tmp_path), "--dry_run"]
-    for select, seeds in (["--select_seeds", "7,8"], (7, 8)), ([], (0,)):  # default: the smallest seed not held out
+    for select, seeds in (["--select_seeds", "7,8"], (7, 8)), ([], (0, 4, 5)):  # default: three seeds not held out
         assert sweep.main([*argv, *select]) == 0
         commands = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("python")]
         planned = sorted((a, b) for c in commands for a in c if a.startswith("--learning_rate=")
@@ -547,11 +549,11 @@ def test_a_dry_run_whose_reader_has_gone_stops_quietly(tmp_path):
 
 def test_a_best_rate_that_fails_on_another_seed_is_flagged():
     # the first seed picks the rate; a later seed diverging there means the pick was fragile
-    assert sweep.point_warnings(None, {1: 2.0, 2: math.inf, 3: 2.1}) == "diverged or crashed at its best rate on seed 2"
-    edge = "best at the lowest rate of the grid: extend --lr_grid beyond it"
-    both = sweep.point_warnings(edge, {"1": 2.0, "3": math.inf})  # summary.json's seeds are strings
+    assert point_warnings(None, {1: 2.0, 2: math.inf, 3: 2.1}) == "diverged or crashed at its best rate on seed 2"
+    edge = "best at the lowest rate, the grid's edge: extend --lr_grid beyond it"
+    both = point_warnings(edge, {"1": 2.0, "3": math.inf})  # summary.json's seeds are strings
     assert both == edge + "; diverged or crashed at its best rate on seed 3"
-    assert sweep.point_warnings(None, {1: 2.0, 2: 2.1}) is None
+    assert point_warnings(None, {1: 2.0, 2: 2.1}) is None
 
 
 class TrainInProcess:
@@ -583,15 +585,17 @@ def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_o
     assert code == 0, result.out + result.err
     summary = read_summary(out_root)
     assert (summary["select_seeds"], summary["held_out_seeds"]) == ([7], [1, 2])
-    assert len(summary["runs"]) == 2 * (2 + 2)  # 2 schemes x (2 rates on seed 7 + seeds 1, 2 at the best rate)
+    # 2 schemes x (2 rates on seed 7 + seeds 1, 2 at the best rate), and the baseline's seeds 1, 2 at its second
+    assert len(summary["runs"]) == 2 * (2 + 2) + 2
     for point in summary["lr_points"]:
         runs = [r for r in summary["runs"] if r["norm_scheme"] == point["norm_scheme"]]
         selection = [r for r in runs if r["seed"] == 7]
         assert sorted(r["learning_rate"] for r in selection) == ["1e-2", "1e-3"]  # at every rate
         assert point["best_lr"] == min(selection, key=lambda r: r["val_loss"])["learning_rate"]
-        held_out = [r for r in runs if r["seed"] != 7]
-        assert sorted(r["seed"] for r in held_out) == [1, 2] and {r["learning_rate"] for r in held_out} == \
-            {point["best_lr"]}
+        held_out = [r for r in runs if r["seed"] != 7 and r["learning_rate"] == point["best_lr"]]
+        assert sorted(r["seed"] for r in held_out) == [1, 2]
+        second = [r["seed"] for r in runs if r["seed"] != 7 and r["learning_rate"] != point["best_lr"]]
+        assert sorted(second) == ([1, 2] if point["norm_scheme"] == "pre" else [])  # the baseline's second-best
         assert sorted(point["seed_losses"]) == ["1", "2"]  # seed 7 ran the best rate too, and is left out
         assert point["val_loss_mean"] == pytest.approx(statistics.fmean(r["val_loss"] for r in held_out))
         assert f"{point['val_loss_mean']:.4f} ± " in point["val_loss_mean_std"] and "(n=2)" in result.out
@@ -627,7 +631,11 @@ def test_lr_sweep_picks_each_rate_on_the_selection_seed_and_judges_on_the_held_o
     assert sorted(at_best) == [1, 2] and all(f"learning_rate={post['best_lr']}" in d for d in at_best.values())
     # a summary from before the selection seeds were named: the seed that ran every rate is still left out
     legacy = {k: v for k, v in summary.items() if k not in ("select_seeds", "held_out_seeds")}
-    for p in legacy["lr_points"]:
+    best = {p["norm_scheme"]: p["best_lr"] for p in legacy["lr_points"]}
+    legacy["runs"] = [r for r in legacy["runs"] if r["seed"] == 7 or r["learning_rate"] == best[r["norm_scheme"]]]
+    for p in legacy["lr_points"]:  # written before the baseline's second-best rate had held-out runs
+        p.pop("second_lr", None)
+        p.pop("second_seed_losses", None)
         p["seed_losses"]["7"] = next(r["val_loss"] for r in legacy["runs"] if r["norm_scheme"] == p["norm_scheme"]
                                      and r["seed"] == 7 and r["learning_rate"] == p["best_lr"])
     pathlib.Path(twin, "summary.json").write_text(json.dumps(legacy))
