@@ -16,74 +16,10 @@ Run a grid of train.py runs, then print and save a table of the runs and one ove
     python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --gpus all --gpus_per_run 4   # torchrun
     python sweep.py configs/geonorm_125m.py --grid norm_scheme=pre,geonorm --executor slurm --slurm_partition gpu
 
-Devices and executors (nanonorm/launch.py; docs/comparing.md): --gpus gives each run its own GPUs
-(CUDA_VISIBLE_DEVICES), --runs_per_gpu K runs share one, --gpus_per_run N launch each by torchrun; --executor
-slurm submits each run as a SLURM job through submitit (local: the same on this machine), resubmits a run whose
-job ended before it to resume, and the same command continues the sweep, waiting for its jobs still queued.
-
-With --lr_grid (docs/comparing.md), every grid point runs every rate on the selection seeds (--select_seeds;
-default three seeds not in --seeds); the rate with the lowest final val loss (mean over them) is its pick (a
-diverged or crashed run ranks its rate last and stays in the table); the two rates at ×√3 around the pick run on
-the same seeds (--no-refine: not), and the finer grid's best is the point's rate; the held-out --seeds run at it
-only (the baseline's also at its second-best rate), and they alone enter the mean ± std and the verdicts: a seed
-that selected a rate never does, in this folder ever (selection_seeds.json keeps them; such a held-out seed is
-refused). With a baseline (--baseline, or the claims file's), `verdict` (nanonorm/verdict.py) compares each
-point's held-out losses with the baseline's (paired on the seeds both share) for what the point's paper claims
-against it: from --claims FILE (nanonorm/claims.py: written before the runs and kept in out_root/claims.json; a
-file changed since is refused), or ad hoc by --claim lower|higher|on_par|none with --delta and --row_claim
-POINT:CLAIM[:DELTA]. Each row prints the claim, δ, Δ with its 95% interval, the mde (80% power), n and the word at
-its scale: reproduced, smaller than claimed, contradicted or inconclusive at this scale (with the seeds it would
-take), Holm-corrected within its family (one paper's claims; the ad hoc claims are one family), and the word
-against the baseline's second-best rate ("depends on the baseline's rate" where the two differ). A decisive word
-needs 5 held-out runs that finished in each arm (divergence: Fisher's test), a grid of at least 5 distinct rates,
-each best rate inside it (not on an edge, not next to a cliff: a rate that diverged or ended within 0.05 nats of
-the unigram loss) and picked on 3 selection seeds: otherwise the word is "inconclusive at this scale" and the
-table says why. An arm that trained at no rate gets "no verdict: trained at no rate". The per-run numbers go to
-out_root/results.jsonl (and --results DIR), from which --tables regenerates the tables. --budget SECONDS ends a
-call's runs with a save when its time is spent (exit 4); the same command continues (--dry_run prints the plan).
-Two rates (muon, manifold_muon):
---lr_keys matrix_lr+learning_rate sweeps matrix_lr and keeps learning_rate at its config ratio to it.
---leaderboard compares only sweeps whose recorded setup and fixed settings agree with the baseline's; a row
-of another setup says what differs in place of a verdict. Sweeps trained on different data (the data fingerprints
-their summaries record differ) are refused, naming both. Its rows are described, not judged, unless --claim or
---row_claim (or --claims) states what their papers claim (a --row_claim that matches no row is refused). A root
-given twice (a trailing slash, a symlink) is read once.
-
---metric val_bpb judges on the final val loss in bits per byte of the val split's text (train.py logs it for LM
-runs): the rate picks, means, sensitivities and verdicts all use it, so that runs with other tokenizers can be
-compared; the summary records the metric, and a leaderboard refuses sweeps judged on different ones.
-
-Without --lr_grid every arm runs at one learning rate, which is not a comparison (README, Comparing runs): a plain
-grid prints no verdict, and with --baseline (which then only sets the ms/iter reference) it says so under its
-tables.
-
-Each run is `python train.py CONFIG --key=value ... --seed=S --out_dir=OUT_ROOT/key=value,...,seed=S`; its
-output goes to out_dir/train.log, its exit code, wall time, resolved settings and GPUs to out_dir/run.json, and
-the tables to OUT_ROOT/summary.md and summary.json. Final losses are the last evaluation's up to max_iters (a
-run trained on past them by hand counts at them); the mean ± std over seeds leaves out runs that diverged or
-crashed. The same command continues a sweep: runs evaluated at max_iters (or diverged) are skipped unless
---rerun, an unfinished run with a checkpoint resumes. A run folder whose run.json records other settings
-(another config or one edited since, other --set values: another sweep's run), whose checkpoint was trained
-with other settings than the sweep plans (resumed by hand with other flags; a larger max_iters is fine), or on
-other data than its dataset holds now (prepared again since), is neither skipped nor resumed: the sweep stops and
-names it (another --out_root, or --rerun to replace it). A grid value, seed or rate given
-twice is refused, and so is a key in two --grid or --set flags (alone or tied by +), a --set of the rate --lr_grid
-sweeps or of the seed beside --seeds, and --grid min_lr with --lr_grid (min_lr follows the rate); run.json and the
-summaries are written whole or not at all.
-A run whose metrics hold its evaluation at max_iters is a result whatever exit code its run.json records. A
-run folder in use by another process (a train.py started by hand) stops the sweep before anything starts. The
-sweep notes its dataset's fingerprint (resume.data_fingerprint: tokenizer, vocabulary, each split's token count
-and SHA-256) as it starts and its summary records it; a dataset prepared again while the sweep ran, or a run whose
-checkpoint names other data, stops it with exit 2 naming the runs, before anything is averaged.
-A grid value that would make a run folder's name longer than the file system takes is refused before anything
-starts. A run that cannot be launched or whose run.json cannot be written (an OSError: a full disk) is reported in
-its line; nothing starts after it, the running runs end, and the summary holds the runs that finished.
-Exit code: 0 if every run finished or diverged (a divergence is a result), 1 if one crashed or could not be
-launched or recorded (or a summary could not be written), 2 bad arguments, a result file that cannot be read or a
-run folder in use, 4 when --budget ran out (the same command continues); 130 on Ctrl-C or SIGINT, 143 on SIGTERM,
-129 on SIGHUP (a closed terminal), to the sweep alone or its process group: the sweep passes it on to its running
-runs as SIGTERM, on which they save their last iteration and stop, waits for them (however many signals follow: no
-run is left running), starts nothing more, and the same command continues the sweep.
+What each flag does, the protocol (selection seeds, refinement, held-out seeds), the verdict rule and its words,
+claims files, results files, devices and executors, what a continued sweep skips, resumes or refuses, and the exit
+codes (0 finished or diverged, 1 a run crashed or could not be launched, 2 bad input, 4 budget spent, 130/143/129
+a stop signal, passed on to the running runs, which save): docs/comparing.md.
 """
 
 from __future__ import annotations
