@@ -81,7 +81,8 @@ def finished_run(out_dir, argv: list[str], max_iters: int = 4, exit_code: int = 
 
 def recorded_settings(argv: list[str]) -> dict:
     """The settings run.json records of a run of argv: model keys over GPTConfig's defaults, then the training
-    settings, but for where the run writes and how it starts, as JSON stores them."""
+    settings, but for where the run writes, how it starts, logs and runs (sweep.BOOKKEEPING_KEYS), as JSON stores
+    them."""
     cfg, model_args = train.load_config(argv)
     settings = {**asdict(GPTConfig()), **model_args, **asdict(cfg)}
     return json.loads(json.dumps({k: v for k, v in settings.items() if k not in sweep.BOOKKEEPING_KEYS}))
