@@ -666,6 +666,10 @@ def _encode_chunk(tokenizer: Tokenizer, dtype: str, docs: list[str]) -> np.ndarr
 _worker_encode: Callable[[list[str]], np.ndarray] | None = None  # set in each pool process
 
 
+def _worker_ready(_: int) -> None:
+    """A task that only starts a pool process."""
+
+
 def _start_worker(name: str, chars: Sequence[str] | None, dtype: str, gpt2: tiktoken.Encoding | None) -> None:
     """Set up a pool process; GPT-2's encoding comes pickled (faster than building it from its files).
     The process ends when its parent does, even when the parent is killed (it would wait forever)."""
@@ -730,9 +734,18 @@ def chunk_encoder(tokenizer: Tokenizer, dtype: str, num_proc: int = 1) -> Iterat
         context.set_forkserver_preload(["__main__", "prepare_data"])  # imported once, not in every process
     else:
         context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker,
-                               initargs=(tokenizer.name, tokenizer.chars, dtype,
-                                         get_gpt2_encoding() if tokenizer.name == "gpt2" else None))
+    # the processes start ignoring Ctrl-C (SIG_IGN outlives exec): one cut short in Python's start-up would print
+    # a fatal error of its own; they are started here, before the handler comes back
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_start_worker,
+                                   initargs=(tokenizer.name, tokenizer.chars, dtype,
+                                             get_gpt2_encoding() if tokenizer.name == "gpt2" else None))
+        list(pool.map(_worker_ready, range(num_proc)))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     try:
         yield ChunkEncoder(tokenizer, dtype, pool, in_flight=2 * num_proc)
     finally:

@@ -374,6 +374,13 @@ for _ in range(600):
 """
 
 
+def default_stop_signals() -> None:
+    """The sweep starts as from a terminal, whatever this test process ignores (under nohup or in a background job
+    SIGHUP or SIGINT are ignored, and a sweep keeps a signal it was started ignoring ignored)."""
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum, repeats, code", [(signal.SIGINT, 3, 130), (signal.SIGHUP, 1, 129)])
 def test_repeated_stop_signals_to_the_sweep_leave_no_run_behind(tmp_path, signum, repeats, code):
     """However many stop signals reach the sweep alone (a supervisor's, or a closed terminal's SIGHUP), it passes
@@ -384,7 +391,7 @@ def test_repeated_stop_signals_to_the_sweep_leave_no_run_behind(tmp_path, signum
     code_line = "import sys, sweep; sweep.TRAIN = sys.argv[1]; sweep.exit_with(lambda: sweep.main(sys.argv[2:]))"
     process = subprocess.Popen([sys.executable, "-c", code_line, str(stub), CONFIG, "--seeds", "1,2", "--jobs", "1",
                                 "--out_root", str(root)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, preexec_fn=default_stop_signals)
     pid_file, child = root / "seed=1" / "pid", None
     try:
         deadline = time.monotonic() + 60
