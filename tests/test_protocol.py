@@ -4,21 +4,19 @@ per-run numbers written as results files from which one command regenerates the 
 call that the same command continues. Runs stand in for train.py (a few lines of JSON each), but for one tiny
 sweep trained end to end."""
 
-import contextlib
 import json
 import math
 import os
 import pathlib
 import shutil
-import sys
 
 import pytest
 from conftest import ROOT, tiny_run_args
 from test_sweep_rules import BASE, PRE, RATES, curve, lr_sweep, shifted
+from test_tools import TrainInProcess
 
 import plot
 import sweep
-import train
 from nanonorm import verdict as rule
 from nanonorm.selection import SELECTION_RECORD
 
@@ -293,18 +291,6 @@ def test_a_budget_stops_the_runs_and_the_same_command_continues(tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- a tiny sweep, trained end to end
-
-
-class TrainInProcess:
-    """What sweep.CHILDREN.start returns in place of a train.py process: the same run, done in this process."""
-
-    def __init__(self, command: list[str], stdout, **options):
-        assert command[:2] == [sys.executable, sweep.TRAIN]
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
-            self.returncode = train.train(command[2:])
-
-    def wait(self) -> int:
-        return self.returncode
 
 
 @pytest.mark.slow

@@ -16,21 +16,13 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, tiny_run_args
+from test_run_files import main
 
 import train
 from nanonorm import guards, resume, run_files
 from nanonorm.train_config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def main(monkeypatch, capsys, argv: list[str]) -> tuple[int, str, str]:
-    """train.py's main in-process: exit code, stdout and stderr."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        train.main()
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
 
 
 def snapshot(folder) -> dict[str, bytes]:
