@@ -5,6 +5,7 @@ Plot train.py runs from their metrics.jsonl: one PNG, one curve per run, one pan
     python plot.py out/sweep/* --metric loss,val_loss --smooth 5 --logy --out sweep.png
     python plot.py out/cpu_lipschitz --metric block_rms              # one curve per block (one run)
     python plot.py out/cpu_pre out/cpu_none --metric block_rms[-1]   # the last block's RMS of each run
+    python plot.py --tables results/ --out tables/ --into REPRODUCING.md   # every verdict table again, from results/
 
 Metrics are the numeric keys of the log: `loss` (train lines, the loss of one batch), `train_loss`
 and `val_loss` (eval lines, averaged over eval_iters batches), task extras such as `val_xy_loss`, and
@@ -419,10 +420,11 @@ def draw_lr_figure(sweep: dict, refs: dict[str, float], heading: str | None = No
     return fig
 
 
-def write_tables(results: str, out: str) -> str:
+def write_tables(results: str, out: str, into: str | None = None) -> str:
     """--tables: every study's verdict tables (markdown, as `sweep.py --tables` prints them) and a learning-rate
     figure per sweep, from the results files under `results` alone (nanonorm.results.study_tables), written to the
-    folder `out` as <study>.md and <study>_<sweep>.png; returns `out`."""
+    folder `out` as <study>.md and <study>_<sweep>.png; with `into` (a markdown file such as REPRODUCING.md), also
+    put each study's tables and figures in that file's block for it (embed_tables); returns `out`."""
     from nanonorm.results import ResultsError, metric_of, study_tables
     from nanonorm.run_files import write_atomically
 
@@ -430,6 +432,7 @@ def write_tables(results: str, out: str) -> str:
         studies = study_tables(results)
     except ResultsError as e:
         raise PlotError(str(e)) from None
+    document = read_document(into, [study for study, _, _ in studies]) if into else None
     os.makedirs(out, exist_ok=True)
     for study, text, tables in studies:
         write_atomically(os.path.join(out, f"{study}.md"), text.encode())
@@ -441,7 +444,43 @@ def write_tables(results: str, out: str) -> str:
             nats = data.get("unigram_loss") is not None and metric_of(data) == "val_loss"  # the unigram's in nats
             refs = {"unigram (context ignored)": data["unigram_loss"]} if nats else {}
             save(draw_lr_figure(drawn, refs, f"{study}: {name}"), os.path.join(out, f"{study}_{name}.png"), dpi=110)
+        if document is not None:
+            figures = [os.path.relpath(os.path.join(out, f"{study}_{name}.png"), os.path.dirname(into) or ".")
+                       for name, _, _ in tables]
+            document = embed_tables(document, study, text, figures)
+    if document is not None:
+        write_atomically(into, document.encode())
     return out
+
+
+def table_block(study: str) -> tuple[str, str]:
+    """The two lines that mark where a study's tables go in a markdown file (plot.py --tables --into)."""
+    return f"<!-- tables:{study} (python plot.py --tables) -->", f"<!-- /tables:{study} -->"
+
+
+def read_document(path: str, studies: list[str]) -> str:
+    """The text of the markdown file --into names, checked to hold one block per study before anything is drawn."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlotError(f"--into {path}: cannot read it ({e}); name a markdown file") from None
+    for study in studies:
+        begin, end = table_block(study)
+        if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+            raise PlotError(f"--into {path} has no block for the study {study!r}: put the lines {begin} and {end} "
+                            "where its tables go")
+    return text
+
+
+def embed_tables(document: str, study: str, text: str, figures: list[str]) -> str:
+    """`document` with the block of `study` replaced by its tables (their headings two levels down, to sit under
+    a section) and a link to each sweep's figure; the rest of the document is left as it was."""
+    begin, end = table_block(study)
+    body = "\n".join("##" + line if line.startswith("#") else line for line in text.splitlines())
+    links = "\n\n".join(f"![{study}: {os.path.splitext(os.path.basename(f))[0]}]({f})" for f in figures)
+    head, rest = document.split(begin, 1)
+    return f"{head}{begin}\n{body}\n\n{links}\n{end}{rest.split(end, 1)[1]}"
 
 
 def draw_depth(roots: list[str], heading: str | None = None):
@@ -518,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", action="store_true", help="from the results files under one folder (sweep.py "
                         "--results: a study per folder) alone, write every study's verdict tables (<study>.md) and a "
                         "learning-rate figure per sweep (<study>_<sweep>.png) to the folder --out (default: tables)")
+    parser.add_argument("--into", metavar="FILE.md", help="with --tables: also replace each study's block in this "
+                        "markdown file (between <!-- tables:STUDY (python plot.py --tables) --> and "
+                        "<!-- /tables:STUDY -->) by its tables and figures, e.g. REPRODUCING.md")
     parser.add_argument("--depth", action="store_true", help="draw each arm's best held-out loss and its "
                         "learning-rate sensitivity against n_layer from sweep.py --lr_grid out_roots at several depths")
     parser.add_argument("--ref", action="append", default=[], metavar="NAME=VALUE",
@@ -592,7 +634,9 @@ def plot_from_args(args: argparse.Namespace) -> str:
     if args.tables:
         if len(args.out_dirs) != 1:
             raise PlotError("--tables reads one results folder (its subfolders are the studies); give one")
-        return write_tables(args.out_dirs[0], args.out if args.out != "runs.png" else "tables")
+        return write_tables(args.out_dirs[0], args.out if args.out != "runs.png" else "tables", args.into)
+    if args.into:
+        raise PlotError("--into puts --tables' tables in a markdown file; give it with --tables")
     if args.depth:
         return save(draw_depth(args.out_dirs, heading=args.title), args.out if args.out != "runs.png" else "depth.png",
                     dpi=110)

@@ -240,6 +240,46 @@ def test_the_committed_results_fixture_regenerates_its_tables_byte_for_byte(caps
     assert capsys.readouterr().out == pathlib.Path(ROOT, "tests", "fixtures", "results_tables.md").read_text()
 
 
+def test_tables_into_a_document_replace_its_block_and_nothing_else(tmp_path, capsys):
+    """--into puts each study's tables (headings two levels down) and its figures between the study's two marker
+    lines and leaves every other byte of the file as it was; a file without the block is refused before anything
+    is written (exit 2, one line naming the lines to add)."""
+    begin, end = plot.table_block("depth")
+    doc = tmp_path / "doc.md"
+    before, after = "# Results\n\nSome words.\n\n", "\n\nMore words, a table | a | b |.\n"
+    doc.write_text(f"{before}{begin}\nstale tables\n{end}{after}")
+    assert plot.main(["--tables", FIXTURE, "--out", str(tmp_path / "tables"), "--into", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(before + begin + "\n") and text.endswith(end + after) and "stale" not in text
+    expected = pathlib.Path(ROOT, "tests", "fixtures", "results_tables.md").read_text()
+    for line in expected.splitlines():
+        assert ("##" + line if line.startswith("#") else line) in text
+    for name in ("L2", "L4"):
+        assert f"](tables/depth_{name}.png)" in text and (tmp_path / "tables" / f"depth_{name}.png").exists()
+    again = text
+    assert plot.main(["--tables", FIXTURE, "--out", str(tmp_path / "tables"), "--into", str(doc)]) == 0
+    assert doc.read_text() == again  # the same results give the same document
+    capsys.readouterr()
+    doc.write_text("# no block here\n")
+    assert plot.main(["--tables", FIXTURE, "--out", str(tmp_path / "other"), "--into", str(doc)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and begin in err and end in err
+    assert doc.read_text() == "# no block here\n" and not (tmp_path / "other").exists()
+
+
+def test_reproducing_md_holds_the_tables_its_committed_results_give(tmp_path):
+    """Every study under results/ has its block in REPRODUCING.md, and regenerating the tables from results/ alone
+    (`python plot.py --tables results/ --out tables/ --into REPRODUCING.md`) leaves REPRODUCING.md as committed:
+    its verdict tables are the committed data's."""
+    results = os.path.join(ROOT, "results")
+    if not os.path.isdir(results):
+        pytest.skip("no results/ folder")
+    doc = tmp_path / "REPRODUCING.md"
+    shutil.copy(os.path.join(ROOT, "REPRODUCING.md"), doc)
+    assert plot.main(["--tables", results, "--out", str(tmp_path / "tables"), "--into", str(doc)]) == 0
+    assert doc.read_text() == pathlib.Path(ROOT, "REPRODUCING.md").read_text()
+
+
 # ----------------------------------------------------------------------------- a time budget per call
 
 
