@@ -203,11 +203,10 @@ def test_slurm_jobs_carry_the_sweeps_options(tmp_path, monkeypatch):
     assert json.loads(pathlib.Path(out_dir, "job.json").read_text())["job_id"] == "4242"
 
 
-@pytest.mark.slow
 def test_executor_local_runs_a_two_arm_lr_grid_sweep_to_its_verdict_table(data_dir, tmp_path, capsys):
     """The same sweep code path through submitit's local executor: 2 arms x 2 rates on the selection seed, then
-    each arm's held-out seed at its best rate, and the table with the verdict column (slow: 6 runs, each a
-    controller, a job and a train.py process)."""
+    each arm's held-out seed at its best rate (the baseline's at its second-best too), and the table with the
+    verdict column: 7 runs, each a submitit job running train.py."""
     pytest.importorskip("submitit")
     fixed = [a[2:] for a in tiny_run_args(data_dir, "unused", max_iters=4, lr_decay_iters=4, eval_interval=4,
                                            sample_tokens=0) if not a.startswith(("--out_dir=", "--learning_rate="))]
@@ -220,7 +219,10 @@ def test_executor_local_runs_a_two_arm_lr_grid_sweep_to_its_verdict_table(data_d
     assert [p["norm_scheme"] for p in summary["lr_points"]] == ["pre", "geonorm"]
     assert all(p["best_lr"] in ("1e-3", "3e-3") for p in summary["lr_points"])
     runs = [d for d in out_root.iterdir() if (d / "run.json").exists()]
-    assert len(runs) == 6 and all((d / "job.json").exists() for d in runs)
+    assert len(runs) == 7 and all((d / "job.json").exists() for d in runs)
+    assert {d.name for d in runs if d.name.endswith("seed=1")} == {
+        "norm_scheme=pre,learning_rate=1e-3,seed=1", "norm_scheme=pre,learning_rate=3e-3,seed=1",
+        f"norm_scheme=geonorm,learning_rate={summary['lr_points'][1]['best_lr']},seed=1"}
     assert "verdict vs baseline" in (out_root / "summary.md").read_text()
 
 
