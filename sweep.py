@@ -806,7 +806,8 @@ def execute(pending: list[dict], workers: int, threads: int, launcher: Launcher 
         try:
             for future in as_completed(futures):
                 job, info = futures[future], future.result()
-                if "error" in info or "not_started" in info or info.get("exit_code") == 4 and CHILDREN.expired:
+                stopped = info.get("exit_code") in (BUDGET_EXIT, -signal.SIGTERM)  # saved, or stopped before it could
+                if "error" in info or "not_started" in info or stopped and CHILDREN.expired:
                     left.add(job["out_dir"])
                 if "not_started" in info:
                     continue

@@ -315,7 +315,9 @@ def test_a_budget_stops_the_runs_and_the_same_command_continues(tmp_path, monkey
     assert "run the same command to continue" in capsys.readouterr().out
     summary = json.loads((root / "summary.json").read_text())
     assert len(summary["runs"]) == 3 + 2 + 2  # selection, refinement of 3e-3 (1.73e-3, 5.2e-3), held-out
-    assert all(r["exit_code"] == 0 for r in summary["runs"])
+    # every run trained to its end; one the budget's SIGTERM reached after its last eval exits 4, and is finished
+    assert all(r["reached_max_iters"] and r["exit_code"] in (0, sweep.BUDGET_EXIT) for r in summary["runs"]), \
+        summary["runs"]
     starts = (root / "starts.log").read_text().split()
     finished = [r["out_dir"] for r in summary["runs"]]
     assert sorted(set(starts)) == sorted(finished)  # a stopped run starts again; a finished one never
