@@ -67,6 +67,7 @@ from nanonorm.launch import (
     slurm_parameters,
 )
 from nanonorm.lr_table import (
+    MECHANISM,
     METRICS,
     VERDICT_COLUMNS,
     add_verdicts,
@@ -718,8 +719,9 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
     """One row per run: its grid values and seed (`points`, one per run; default: what its run.json records),
     final losses (of its last evaluation up to its `max_iters`, one per run: a run trained on past them by hand
     counts at them) and that evaluation's iteration, divergence, exit code, whether it reached its `max_iters`
-    (the rule run_state skips it by), time, its iteration-0 val loss, the commit that ran it, and the `extra`
-    metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis)."""
+    (the rule run_state skips it by), time, its iteration-0 val loss, the commit that ran it, the `extra`
+    metrics of its last evaluation that logged them (e.g. val_xy_loss, grad_kurtosis), and the per-block mechanism
+    diagnostics (MECHANISM) of its last evaluation that logged them (None without log_diagnostics)."""
     rows = []
     for i, out_dir in enumerate(out_dirs):
         records = load_metrics(out_dir)
@@ -738,7 +740,9 @@ def summarize(out_dirs: list[str], extra: list[str] | None = None, points: list[
                      **{f"initial_{m}": next((r.get(m) for r in evals if r["iter"] == 0), None) for m in METRICS},
                      "commit": info.get("commit"),
                      **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), (int, float))), None)
-                        for key in extra or []}})
+                        for key in extra or []},
+                     **{key: next((r[key] for r in reversed(evals) if isinstance(r.get(key), list)), None)
+                        for key in MECHANISM}})
     return rows
 
 

@@ -40,6 +40,10 @@ def crashed(row: dict) -> bool:
 
 
 METRICS = ("val_loss", "val_bpb")  # what a sweep can judge on (--metric), the last eval's; lower is better
+# The mechanism diagnostics (nanonorm/diagnostics.py: stream_statistics), per block, of a run's last eval line that
+# logged them (log_diagnostics): the attention sink, massive activations, outlier channels.
+MECHANISM = {"attn_first_token_mass": "attention mass on token 0",
+             "stream_max_over_median": "largest / median abs activation", "stream_excess_kurtosis": "excess kurtosis"}
 
 
 def final_loss(row: dict, metric: str = "val_loss") -> float:
@@ -250,6 +254,16 @@ def held_out_losses(runs: list[dict], lr_key: str, rate: str | None, select_seed
             and r["seed"] not in select_seeds}
 
 
+def held_out_mechanism(runs: list[dict], lr_key: str, rate: str | None, select_seeds) -> dict[str, dict[int, float]]:
+    """{diagnostic: {seed: its mean over the blocks}} of the held-out runs at a rate that trained (MECHANISM: what a
+    run logged with log_diagnostics at its last evaluation); a diagnostic no run logged is left out."""
+    held = [r for r in runs if rate is not None and str(r[lr_key]) == str(rate) and r["seed"] not in select_seeds
+            and math.isfinite(final_loss(r))]
+    values = {key: {r["seed"]: statistics.fmean(r[key]) for r in held
+                    if r.get(key) and all(x is not None and math.isfinite(x) for x in r[key])} for key in MECHANISM}
+    return {key: v for key, v in values.items() if v}
+
+
 def mean_std_text(losses: dict[int, float]) -> str:
     """mean ± std (n=k) of the finite losses, as the tables print it; "-" without any."""
     finite = [x for x in losses.values() if math.isfinite(x)]
@@ -293,12 +307,14 @@ def lr_table_tests(rows: list[dict], choice: list[dict], keys: list[str], lr_key
                 "second_lr": c.get("second_lr"),
                 "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": ",".join(c["crashed_lrs"]) or None,
                 "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
+                "seed_mechanism": held_out_mechanism(runs, lr_key, c["best_lr"], select_seeds),
                 "grid_shortfall": grid_shortfall([r for r in runs if r["seed"] in select_seeds], lr_key, c["best_lr"],
                                                  unigram, metric)}
 
     table = [point_row(c) for c in choice]
     base = next((row for row, c in zip(table, choice, strict=True) if baseline and matches(c, baseline)), None)
     if base is not None:
+        base["baseline"] = True
         base["second_seed_losses"] = held_out_losses(runs_of(base), lr_key, base["second_lr"], select_seeds, metric)
     tests = [comparison(row, base, claims.for_row({**(settings or {}), **row}),
                         scale_text({**setup, **row}) if setup else None)
@@ -319,7 +335,8 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "run_minutes": ("run time (min)", "{:.1f}"), "lr_sensitivity": ("lr sensitivity", "{:.3f}"),
            "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
            "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}"),
-           "verdict_second": ("vs the baseline's second-best rate", "{}")}
+           "verdict_second": ("vs the baseline's second-best rate", "{}"),
+           **{key: (header, "{}") for key, header in MECHANISM.items()}}
 VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
 
 
@@ -355,4 +372,44 @@ def point_table_text(table: list[dict], keys: list[str], setup: dict | None, met
     """A sweep's per-point table under a line that states its scale: every word in it was measured there; its mean
     ± std column headed by the `metric` it holds."""
     scale = f"Scale: {scale_text(setup)}.\n\n" if setup else ""
-    return scale + format_table(table, point_columns(table, keys), metric)
+    mechanism = mechanism_table_text(table, keys, setup)
+    return scale + format_table(table, point_columns(table, keys), metric) + (f"\n\n{mechanism}" if mechanism else "")
+
+
+def uniform_head_mass(block_size: int) -> float:
+    """The attention mass on token 0 of a head that weighs every earlier key alike, over queries t = 1 .. T - 1:
+    the mean of 1 / (t + 1). A sink is a mass well above it."""
+    return statistics.fmean(1 / (t + 1) for t in range(1, block_size)) if block_size > 1 else math.nan
+
+
+def mechanism_cell(values: dict[int, float], base: dict[int, float] | None) -> str:
+    """mean ± std of a diagnostic over the held-out seeds and, against the baseline's on the seeds both share, Δ
+    with its 95% interval and the rule's description (a mechanism has no claim here: never a verdict word)."""
+    xs = list(values.values())
+    text = f"{statistics.fmean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "")
+    shared = sorted(set(values) & set(base or {}))
+    if base is None or len(shared) < 2:
+        return text
+    v = verdict([values[s] for s in shared], [base[s] for s in shared], None, paired=True)
+    return text + f"; Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], {v['verdict']}"
+
+
+def mechanism_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str | None:
+    """The mechanism diagnostics of a sweep's per-point table (held_out_mechanism: each point at its best rate, the
+    last evaluation, the mean over the blocks), each against the baseline's where the table has one; None when no
+    run logged them."""
+    logged = [key for key in MECHANISM if any(key in row.get("seed_mechanism", {}) for row in table)]
+    if not logged:
+        return None
+    base = next((row.get("seed_mechanism", {}) for row in table if row.get("baseline")), None)
+    rows = [{**{k: row[k] for k in keys}, "best_lr": row["best_lr"],
+             **{key: mechanism_cell(row["seed_mechanism"][key], None if row.get("baseline") or base is None
+                                    else base.get(key))
+                for key in logged if key in row.get("seed_mechanism", {})}} for row in table]
+    references = {"attn_first_token_mass": f"a head that weighs every key alike gives token 0 "
+                  f"{uniform_head_mass(setup['block_size']):.4f}" if setup and setup.get("block_size") else None,
+                  "stream_excess_kurtosis": "a Gaussian stream's excess kurtosis is 0"}
+    said = [text for key, text in references.items() if key in logged and text]
+    return ("Mechanism, at each point's best rate on the held-out seeds (the last evaluation, each the mean over the "
+            f"blocks{'; ' if said else ''}{'; '.join(said)}):\n\n"
+            + format_table(rows, [*keys, "best_lr", *logged]))

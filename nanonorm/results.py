@@ -6,7 +6,8 @@ The first line describes the sweep ({"kind": "sweep", ...}: its title, grid keys
 held-out seeds, setup (the scale), settings, the data's unigram loss and fingerprint, the baseline, the claims
 file's text, the commit); each further line is one run ({"kind": "run", ...}: its grid values, rate, seed, role
 (selection or held_out), final val and train loss, the iteration of that evaluation, the iteration it diverged at,
-exit code, wall time, the iteration-0 val loss and the commit that ran it, and the final and iteration-0 val bpb).
+exit code, wall time, the iteration-0 val loss and the commit that ran it, the final and iteration-0 val bpb, and,
+for a run that logged diagnostics, the mechanism's per block at its last evaluation: lr_table.MECHANISM).
 The header's metric (val_loss, or val_bpb: sweep.py --metric) is what the tables judge on; a file without one
 judged on val_loss.
 """
@@ -19,7 +20,16 @@ import os
 import time
 
 from nanonorm.claims import Claims, ClaimsError, parse_claims_text
-from nanonorm.lr_table import METRICS, add_verdicts, as_claims, lr_table_tests, matches, pick_best, point_table_text
+from nanonorm.lr_table import (
+    MECHANISM,
+    METRICS,
+    add_verdicts,
+    as_claims,
+    lr_table_tests,
+    matches,
+    pick_best,
+    point_table_text,
+)
 from nanonorm.run_files import write_atomically
 
 RESULTS_NAME = "results.jsonl"  # in an out_root; a copy goes to --results DIR as <out_root's name>.jsonl
@@ -45,7 +55,8 @@ def results_text(header: dict, rows: list[dict], keys: list[str], lr_key: str, s
     head = {"kind": "sweep", **{k: header[k] for k in HEADER_FIELDS if k in header}}
     runs = [{"kind": "run", **{k: r.get(k) for k in (*keys, lr_key)},
              "role": "selection" if r["seed"] in select else "held_out",
-             **{k: finite_or_none(r.get(k)) for k in (*RUN_FIELDS, *BPB_FIELDS)}} for r in rows]
+             **{k: finite_or_none(r.get(k)) for k in (*RUN_FIELDS, *BPB_FIELDS)},
+             **{k: [finite_or_none(x) for x in r[k]] for k in MECHANISM if r.get(k) is not None}} for r in rows]
     runs.sort(key=lambda r: ([str(r[k]) for k in keys], float(r[lr_key]), r["seed"]))
     return "".join(json.dumps(line, sort_keys=False) + "\n" for line in [head, *runs])
 

@@ -17,6 +17,7 @@ from test_tools import TrainInProcess
 
 import plot
 import sweep
+from nanonorm import lr_table
 from nanonorm import verdict as rule
 from nanonorm.selection import SELECTION_RECORD
 
@@ -25,9 +26,11 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "results")
 DEPTH_CLAIMS = os.path.join(ROOT, "claims", "depth.json")
 
 
-def standing_in(loss=lambda lr, seed, scheme: 2.0 + 0.3 * (math.log10(lr / 1.6e-3)) ** 2 + 0.01 * seed):
+def standing_in(loss=lambda lr, seed, scheme: 2.0 + 0.3 * (math.log10(lr / 1.6e-3)) ** 2 + 0.01 * seed,
+                diagnostics=lambda lr, seed, scheme: {}):
     """A stand-in for sweep.launch: the run ends evaluated at max_iters with loss(rate, seed, scheme) (None: it
-    diverged), as train.py would leave it; `calls` lists the runs launched."""
+    diverged) and the per-block diagnostics(rate, seed, scheme) on that eval line, as train.py would leave it; `calls`
+    lists the runs launched."""
     calls = []
 
     def launch(job: dict, threads: int) -> dict:
@@ -35,7 +38,9 @@ def standing_in(loss=lambda lr, seed, scheme: 2.0 + 0.3 * (math.log10(lr / 1.6e-
         s = job["settings"]
         x = loss(float(s["learning_rate"]), job["point"]["seed"], s.get("norm_scheme"))
         evals = [{"kind": "eval", "iter": 0, "val_loss": 4.0}]
-        evals += [{"kind": "eval", "iter": s["max_iters"], "val_loss": x}] if x is not None else \
+        evals += [{"kind": "eval", "iter": s["max_iters"], "val_loss": x,
+                   **diagnostics(float(s["learning_rate"]), job["point"]["seed"], s.get("norm_scheme"))}] \
+            if x is not None else \
             [{"kind": "status", "status": "diverged", "iter": 2}]
         pathlib.Path(job["out_dir"], "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
         info = {"point": job["point"], "argv": job["argv"], "exit_code": 0 if x is not None else 3, "wall_s": 1.0,
@@ -196,6 +201,37 @@ def test_the_tables_regenerate_from_the_results_files_alone(tmp_path, monkeypatc
     assert plot.main(["--tables", str(tmp_path / "results"), "--out", str(tmp_path / "tables")]) == 0  # and figures
     assert (tmp_path / "tables" / "study.md").read_text() == printed
     assert (tmp_path / "tables" / "study_lr.png").stat().st_size > 0
+
+
+def test_the_mechanism_table_takes_each_point_at_its_rate_on_the_held_out_seeds_against_the_baseline(
+        tmp_path, monkeypatch, capsys):
+    """The diagnostics a mechanism claim is about (the first-token mass, the largest activation over the median) are
+    recorded per block in the results file, and the tables give each point's mean over the blocks at its best rate
+    on its held-out seeds, against the baseline's on the same seeds. Off-rate and selection-seed runs carry values
+    far away (+3 per decade from the best rate, +5 on a selection seed), so a table that took any of them misses."""
+    def diagnostics(lr: float, seed: int, scheme: str) -> dict:
+        m = 0.05 + 0.01 * seed + 0.2 * (scheme == "post") + 3 * abs(math.log10(lr / 1.73e-3)) + 5 * (seed in (0, 6, 7))
+        return {"attn_first_token_mass": [2 * m, 0.0], "stream_max_over_median": [10.0 + seed, 10.0 + seed]}
+
+    monkeypatch.setattr(sweep, "launch", standing_in(diagnostics=diagnostics))
+    results = tmp_path / "results" / "study"
+    assert sweep.main([CONFIG, "--grid", "norm_scheme=pre,post", "--set", "max_iters=4", "--lr_grid", ",".join(RATES),
+                       "--seeds", "1,2,3,4,5", "--baseline", "norm_scheme=pre", "--out_root", str(tmp_path / "lr"),
+                       "--results", str(results)]) == 0
+    runs = [json.loads(line) for line in (results / "lr.jsonl").read_text().splitlines()[1:]]
+    assert all(r["attn_first_token_mass"] == diagnostics(float(r["learning_rate"]), r["seed"], r["norm_scheme"])[
+        "attn_first_token_mass"] and "stream_excess_kurtosis" not in r for r in runs)
+    capsys.readouterr()
+    assert sweep.main(["--tables", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in printed[printed.index("Mechanism"):].splitlines() if line.startswith("| p")}
+    assert rows["pre"][0] == rows["post"][0] == "0.00173"  # both picked the refined rate, where the offset is 0
+    assert rows["pre"][1] == "0.08 ± 0.016" and rows["pre"][2] == "13 ± 1.6"  # seeds 1-5 only, mean over blocks
+    assert rows["post"][1] == "0.28 ± 0.016; Δ +0.2 [+0.2, +0.2], higher"  # paired on the seeds both share
+    assert rows["post"][2] == "13 ± 1.6; Δ +0 [+0, +0], not distinguishable"
+    assert "excess kurtosis" not in printed and f"alike gives token 0 {lr_table.uniform_head_mass(128):.4f}" in printed
+    assert lr_table.uniform_head_mass(2) == 0.5 and lr_table.uniform_head_mass(3) == (1 / 2 + 1 / 3) / 2
 
 
 def test_results_files_record_the_metric_and_the_tables_refuse_to_mix_metrics(tmp_path, monkeypatch, capsys):
