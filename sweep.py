@@ -48,6 +48,7 @@ import train
 from model import GPTConfig
 from nanonorm.budget import BUDGET_EXIT, plan_text
 from nanonorm.claims import (
+    MECHANISM,
     Claims,
     ClaimsError,
     check_fixed_before_runs,
@@ -67,7 +68,6 @@ from nanonorm.launch import (
     slurm_parameters,
 )
 from nanonorm.lr_table import (
-    MECHANISM,
     METRICS,
     VERDICT_COLUMNS,
     add_verdicts,

@@ -13,6 +13,9 @@ A claims file is JSON:
 `row` names the values of one table row: its grid values and any setting of its sweep (n_layer above, for a study
 with one sweep per depth); `claim` is lower, higher (by δ = delta >= 0, in nats) or on_par (within ±δ, δ > 0);
 `family` defaults to `paper`. The family's size is the number of its claims in the file, whatever a table holds.
+A claim about a mechanism names the diagnostic it is about (`"metric": "attn_first_token_mass"`, one of MECHANISM,
+its δ in that diagnostic's units) and is judged on the held-out runs' values of it (the mean over the blocks); a
+row may carry one claim per metric.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from nanonorm.run_files import write_atomically
 from nanonorm.verdict import AD_HOC
 
 CLAIM_WORDS = ("lower", "higher", "on_par")
+# The mechanism diagnostics a claim can be about (nanonorm/diagnostics.py: stream_statistics), logged per block on
+# a run's eval lines with log_diagnostics: the attention sink, massive activations, outlier channels.
+MECHANISM = ("attn_first_token_mass", "stream_max_over_median", "stream_excess_kurtosis")
 RECORD_NAME = "claims.json"  # in an out_root: the claims its runs started with
 
 
@@ -41,6 +47,7 @@ class Claim:
     delta: float = 0.0
     family: str = AD_HOC
     paper: str = ""
+    metric: str | None = None  # a mechanism diagnostic (MECHANISM); None: the sweep's loss
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,11 @@ class Claims:
         """The claims of a family as a claims file writes them; None for the ad hoc family (its claimed rows)."""
         return sum(c.family == name for c in self.claims) if self.path else None
 
-    def for_row(self, values: dict) -> Claim | None:
-        """The claim on a row: a claims file's one entry that names it (ClaimsError if two do), or the last ad hoc
-        claim whose values it has; None: a description."""
-        found = [c for c in self.claims if all(str(values.get(k)) == str(v) for k, v in c.row.items())]
+    def for_row(self, values: dict, metric: str | None = None) -> Claim | None:
+        """The claim on a row about `metric` (None: the loss): a claims file's one entry that names it (ClaimsError if
+        two do), or the last ad hoc claim whose values it has; None: a description."""
+        found = [c for c in self.claims if c.metric == metric
+                 and all(str(values.get(k)) == str(v) for k, v in c.row.items())]
         if self.path and len(found) > 1:
             raise ClaimsError(f"{self.path}: the claims on {found[0].row} and {found[1].row} both name the row "
                               f"{values_text(values, found)}; name each row by one claim (add the key that tells "
@@ -115,7 +123,11 @@ def checked_entry(entry: object, where: str) -> Claim:
     family = entry.get("family", paper)
     if not isinstance(family, str) or not family.strip():
         raise ClaimsError(f"{where}: family {family!r}; give a name (default: the paper)")
-    return Claim({k: str(v) for k, v in entry["row"].items()}, entry["claim"], float(delta), family, paper)
+    metric = entry.get("metric")
+    if metric is not None and metric not in MECHANISM:
+        raise ClaimsError(f"{where}: metric {metric!r}; a mechanism claim names one of {', '.join(MECHANISM)} (a "
+                          "claim on the loss names none)")
+    return Claim({k: str(v) for k, v in entry["row"].items()}, entry["claim"], float(delta), family, paper, metric)
 
 
 def committed_state(path: str) -> str:

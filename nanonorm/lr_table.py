@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from nanonorm.claims import Claim, Claims
+from nanonorm.claims import MECHANISM, Claim, Claims
 from nanonorm.runs import load_metrics
 from nanonorm.selection import MIN_SELECT_SEEDS, edge_of
 from nanonorm.verdict import (
@@ -40,10 +40,8 @@ def crashed(row: dict) -> bool:
 
 
 METRICS = ("val_loss", "val_bpb")  # what a sweep can judge on (--metric), the last eval's; lower is better
-# The mechanism diagnostics (nanonorm/diagnostics.py: stream_statistics), per block, of a run's last eval line that
-# logged them (log_diagnostics): the attention sink, massive activations, outlier channels.
-MECHANISM = {"attn_first_token_mass": "attention mass on token 0",
-             "stream_max_over_median": "largest / median abs activation", "stream_excess_kurtosis": "excess kurtosis"}
+MECHANISM_HEADERS = dict(zip(MECHANISM, ("attention mass on token 0", "largest / median abs activation",
+                                         "excess kurtosis"), strict=True))  # as the mechanism table heads them
 
 
 def final_loss(row: dict, metric: str = "val_loss") -> float:
@@ -316,10 +314,32 @@ def lr_table_tests(rows: list[dict], choice: list[dict], keys: list[str], lr_key
     if base is not None:
         base["baseline"] = True
         base["second_seed_losses"] = held_out_losses(runs_of(base), lr_key, base["second_lr"], select_seeds, metric)
+        base["second_seed_mechanism"] = held_out_mechanism(runs_of(base), lr_key, base["second_lr"], select_seeds)
+    others = [row for row in table if base is not None and row is not base]
     tests = [comparison(row, base, claims.for_row({**(settings or {}), **row}),
-                        scale_text({**setup, **row}) if setup else None)
-             for row in table if base is not None and row is not base]
+                        scale_text({**setup, **row}) if setup else None) for row in others]
+    tests += [test for row in others for test in mechanism_tests(row, base, claims, settings,
+                                                                 scale_text({**setup, **row}) if setup else None)]
     return table, tests
+
+
+def mechanism_tests(row: dict, base: dict, claims: Claims, settings: dict | None, scale: str | None) -> list[dict]:
+    """The tests (add_verdicts) of a row's mechanism claims (claims.for_row of each diagnostic its held-out runs
+    logged): its values at its best rate against the baseline's at its best rate and at its second-best, on the
+    seeds both share, each verdict filled into row["mechanism_verdicts"][diagnostic]. A claim whose diagnostic the
+    baseline did not log is not tested (its family still counts it)."""
+    tests = []
+    for key, values in row["seed_mechanism"].items():
+        claim = claims.for_row({**(settings or {}), **row}, key)
+        if claim is None or claim.claim is None or key not in base["seed_mechanism"]:
+            continue
+        shortfalls = [row["grid_shortfall"], base["grid_shortfall"]]
+        second = base["second_seed_mechanism"].get(key)
+        tests.append({"row": row.setdefault("mechanism_verdicts", {}).setdefault(key, {}),
+                      "v": lr_verdict(values, base["seed_mechanism"][key], claim.claim, claim.delta, shortfalls),
+                      "second": lr_verdict(values, second, claim.claim, claim.delta, shortfalls) if second else None,
+                      "family": claim.family, "rates": (base["best_lr"], base.get("second_lr")), "scale": scale})
+    return tests
 
 
 # ----------------------------------------------------------------------------- as the tables print them
@@ -336,7 +356,7 @@ COLUMNS = {"train_loss": ("final train loss", "{:.4f}"), "val_loss": ("final val
            "claim": ("claim", "{}"), "delta": ("δ", "{:g}"), "ci": ("95% interval of Δ", "[{0[0]:+.4f}, {0[1]:+.4f}]"),
            "mde": ("mde (80% power)", "{:.4f}"), "n_seeds": ("n", "{0[0]} vs {0[1]}"),
            "verdict_second": ("vs the baseline's second-best rate", "{}"),
-           **{key: (header, "{}") for key, header in MECHANISM.items()}}
+           **{key: (header, "{}") for key, header in MECHANISM_HEADERS.items()}}
 VERDICT_COLUMNS = ["claim", "delta", "diff", "ci", "mde", "n_seeds", "verdict"]  # each comparison, as tables print it
 
 
@@ -382,16 +402,19 @@ def uniform_head_mass(block_size: int) -> float:
     return statistics.fmean(1 / (t + 1) for t in range(1, block_size)) if block_size > 1 else math.nan
 
 
-def mechanism_cell(values: dict[int, float], base: dict[int, float] | None) -> str:
+def mechanism_cell(values: dict[int, float], base: dict[int, float] | None, judged: dict | None = None) -> str:
     """mean ± std of a diagnostic over the held-out seeds and, against the baseline's on the seeds both share, Δ
-    with its 95% interval and the rule's description (a mechanism has no claim here: never a verdict word)."""
+    with its 95% interval and the word: a mechanism claim's verdict (`judged`: mechanism_tests' columns), else the
+    rule's description, never a verdict word."""
     xs = list(values.values())
     text = f"{statistics.fmean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "")
     shared = sorted(set(values) & set(base or {}))
     if base is None or len(shared) < 2:
         return text
     v = verdict([values[s] for s in shared], [base[s] for s in shared], None, paired=True)
-    return text + f"; Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], {v['verdict']}"
+    word = judged["verdict"] if judged and "verdict" in judged else v["verdict"]
+    claim = f"claim {judged['claim']}, δ {judged['delta']:g}: " if judged and judged.get("claim") else ""
+    return text + f"; Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], {claim}{word}"
 
 
 def mechanism_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str | None:
@@ -404,7 +427,7 @@ def mechanism_table_text(table: list[dict], keys: list[str], setup: dict | None)
     base = next((row.get("seed_mechanism", {}) for row in table if row.get("baseline")), None)
     rows = [{**{k: row[k] for k in keys}, "best_lr": row["best_lr"],
              **{key: mechanism_cell(row["seed_mechanism"][key], None if row.get("baseline") or base is None
-                                    else base.get(key))
+                                    else base.get(key), row.get("mechanism_verdicts", {}).get(key))
                 for key in logged if key in row.get("seed_mechanism", {})}} for row in table]
     references = {"attn_first_token_mass": f"a head that weighs every key alike gives token 0 "
                   f"{uniform_head_mass(setup['block_size']):.4f}" if setup and setup.get("block_size") else None,

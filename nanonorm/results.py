@@ -7,7 +7,7 @@ held-out seeds, setup (the scale), settings, the data's unigram loss and fingerp
 file's text, the commit); each further line is one run ({"kind": "run", ...}: its grid values, rate, seed, role
 (selection or held_out), final val and train loss, the iteration of that evaluation, the iteration it diverged at,
 exit code, wall time, the iteration-0 val loss and the commit that ran it, the final and iteration-0 val bpb, and,
-for a run that logged diagnostics, the mechanism's per block at its last evaluation: lr_table.MECHANISM).
+for a run that logged diagnostics, the mechanism's per block at its last evaluation: claims.MECHANISM).
 The header's metric (val_loss, or val_bpb: sweep.py --metric) is what the tables judge on; a file without one
 judged on val_loss.
 """
@@ -19,9 +19,8 @@ import math
 import os
 import time
 
-from nanonorm.claims import Claims, ClaimsError, parse_claims_text
+from nanonorm.claims import MECHANISM, Claims, ClaimsError, parse_claims_text
 from nanonorm.lr_table import (
-    MECHANISM,
     METRICS,
     add_verdicts,
     as_claims,

@@ -145,6 +145,8 @@ def test_a_claims_file_fixes_the_family_whatever_the_table_holds(tmp_path):
     ('{"baseline": {"norm_scheme": "pre"}, "claims": [{"row": {"norm_scheme": "a"}, "claim": "lower", '
      '"delta": -1, "paper": "X"}]}', "delta -1"),
     ('{"baseline": {"norm_scheme": "pre"}, "claims": [{"row": {"norm_scheme": "a"}, "claim": "lower"}]}', "paper"),
+    ('{"baseline": {"norm_scheme": "pre"}, "claims": [{"row": {"norm_scheme": "a"}, "claim": "lower", '
+     '"paper": "X", "metric": "sink"}]}', "metric 'sink'"),
 ])
 def test_a_claims_file_that_cannot_be_read_exits_2_with_one_line(tmp_path, capsys, content, message):
     (tmp_path / "claims.json").write_text(content)
@@ -232,6 +234,36 @@ def test_the_mechanism_table_takes_each_point_at_its_rate_on_the_held_out_seeds_
     assert rows["post"][2] == "13 ± 1.6; Δ +0 [+0, +0], not distinguishable"
     assert "excess kurtosis" not in printed and f"alike gives token 0 {lr_table.uniform_head_mass(128):.4f}" in printed
     assert lr_table.uniform_head_mass(2) == 0.5 and lr_table.uniform_head_mass(3) == (1 / 2 + 1 / 3) / 2
+
+
+def test_mechanism_claims_are_judged_on_the_held_out_values_in_their_papers_family(tmp_path, monkeypatch, capsys):
+    """A claims file's mechanism claims (a "metric" among the diagnostics) are judged on the held-out runs' values
+    at each arm's best rate, against the baseline's at its best and second-best rates, Holm-corrected with the
+    paper's loss claim in one family of three, and the loss claim on the same row is still judged on the loss."""
+    def diagnostics(lr: float, seed: int, scheme: str) -> dict:
+        return {"attn_first_token_mass": [0.05 + 0.01 * seed + 0.2 * (scheme == "post")],
+                "stream_max_over_median": [10.0 + seed], "stream_excess_kurtosis": [0.1 * seed]}
+
+    monkeypatch.setattr(sweep, "launch", standing_in(lambda lr, seed, scheme: 2.0 + 0.3 * math.log10(lr / 1.6e-3) ** 2
+                                                     + 0.01 * seed - 0.05 * (scheme == "post"), diagnostics))
+    paper = {"row": {"norm_scheme": "post"}, "paper": "X"}
+    path = claims_file(tmp_path / "claims.json", [{**paper, "claim": "lower", "delta": 0.02},
+                                                  {**paper, "claim": "lower", "metric": "attn_first_token_mass"},
+                                                  {**paper, "claim": "on_par", "delta": 1.0,
+                                                   "metric": "stream_max_over_median"}])
+    assert sweep.main([CONFIG, "--grid", "norm_scheme=pre,post", "--set", "max_iters=4", "--lr_grid", ",".join(RATES),
+                       "--seeds", "1,2,3,4,5", "--claims", path, "--out_root", str(tmp_path / "lr"), "--results",
+                       str(tmp_path / "results")]) == 0
+    capsys.readouterr()
+    assert sweep.main(["--tables", str(tmp_path / "results")]) == 0
+    printed = capsys.readouterr().out
+    table, mechanism = printed.split("Mechanism")
+    post = next(line for line in mechanism.splitlines() if line.startswith("| post"))
+    mass, peak, kurtosis = [c.strip() for c in post.split("|")[3:6]]
+    assert "Δ +0.2 [+0.2, +0.2], claim lower, δ 0: contradicted at shakespeare_char" in mass, mass
+    assert "Δ +0 [+0, +0], claim on_par, δ 1: reproduced at" in peak and "family X: 3 claims" in peak, peak
+    assert kurtosis.endswith("not distinguishable")  # no claim on it: described
+    assert "reproduced at shakespeare_char" in next(line for line in table.splitlines() if line.startswith("| post"))
 
 
 def test_results_files_record_the_metric_and_the_tables_refuse_to_mix_metrics(tmp_path, monkeypatch, capsys):
@@ -395,10 +427,11 @@ def test_a_tiny_lr_grid_sweep_runs_the_protocol_to_its_verdict_table(data_dir, t
 
 
 def test_the_committed_claims_files_read_and_name_their_families():
-    """claims/*.json are fixed before their studies' runs: each reads as a claims file, one claim per row."""
+    """claims/*.json are fixed before their studies' runs: each reads as a claims file, one claim per row and
+    metric."""
     for name in os.listdir(os.path.join(ROOT, "claims")):
         claims = sweep.read_claims(os.path.join(ROOT, "claims", name))
-        rows = [tuple(sorted(c.row.items())) for c in claims.claims]
+        rows = [(tuple(sorted(c.row.items())), c.metric) for c in claims.claims]
         assert len(rows) == len(set(rows)) and all(claims.family_size(c.family) >= 1 for c in claims.claims)
 
 
