@@ -13,7 +13,7 @@ A claims file is JSON:
 `row` names the values of one table row: its grid values and any setting of its sweep (n_layer above, for a study
 with one sweep per depth); `claim` is lower, higher (by δ = delta >= 0, in nats) or on_par (within ±δ, δ > 0);
 `family` defaults to `paper`. The family's size is the number of its claims in the file, whatever a table holds.
-A claim about a mechanism names the diagnostic it is about (`"metric": "attn_first_token_mass"`, one of MECHANISM,
+A claim about a mechanism names the diagnostic it is about (`"diagnostic": "attn_first_token_mass"`, one of MECHANISM,
 its δ in that diagnostic's units) and is judged on the held-out runs' values of it (the mean over the blocks); a
 row may carry one claim per metric.
 """
@@ -47,7 +47,7 @@ class Claim:
     delta: float = 0.0
     family: str = AD_HOC
     paper: str = ""
-    metric: str | None = None  # a mechanism diagnostic (MECHANISM); None: the sweep's loss
+    diagnostic: str | None = None  # what a mechanism claim is about (MECHANISM); None: the sweep's loss
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,10 @@ class Claims:
         """The claims of a family as a claims file writes them; None for the ad hoc family (its claimed rows)."""
         return sum(c.family == name for c in self.claims) if self.path else None
 
-    def for_row(self, values: dict, metric: str | None = None) -> Claim | None:
-        """The claim on a row about `metric` (None: the loss): a claims file's one entry that names it (ClaimsError if
-        two do), or the last ad hoc claim whose values it has; None: a description."""
-        found = [c for c in self.claims if c.metric == metric
+    def for_row(self, values: dict, diagnostic: str | None = None) -> Claim | None:
+        """The claim on a row about `diagnostic` (None: the loss): a claims file's one entry that names it
+        (ClaimsError if two do), or the last ad hoc claim whose values it has; None: a description."""
+        found = [c for c in self.claims if c.diagnostic == diagnostic
                  and all(str(values.get(k)) == str(v) for k, v in c.row.items())]
         if self.path and len(found) > 1:
             raise ClaimsError(f"{self.path}: the claims on {found[0].row} and {found[1].row} both name the row "
@@ -114,7 +114,8 @@ def checked_entry(entry: object, where: str) -> Claim:
                           "claim is left out of the file: it gets a description)")
     delta = entry.get("delta", 0.0)
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < float("inf"):
-        raise ClaimsError(f"{where}: delta {delta!r} is the paper's effect size in nats; give a number >= 0")
+        raise ClaimsError(f"{where}: delta {delta!r} is the paper's effect size (in nats, or in its diagnostic's "
+                          "units); give a number >= 0")
     if entry["claim"] == "on_par" and delta <= 0:
         raise ClaimsError(f"{where}: on_par needs its margin, a delta > 0")
     paper = entry.get("paper")
@@ -123,11 +124,12 @@ def checked_entry(entry: object, where: str) -> Claim:
     family = entry.get("family", paper)
     if not isinstance(family, str) or not family.strip():
         raise ClaimsError(f"{where}: family {family!r}; give a name (default: the paper)")
-    metric = entry.get("metric")
-    if metric is not None and metric not in MECHANISM:
-        raise ClaimsError(f"{where}: metric {metric!r}; a mechanism claim names one of {', '.join(MECHANISM)} (a "
-                          "claim on the loss names none)")
-    return Claim({k: str(v) for k, v in entry["row"].items()}, entry["claim"], float(delta), family, paper, metric)
+    diagnostic = entry.get("diagnostic")
+    if diagnostic is not None and diagnostic not in MECHANISM:
+        raise ClaimsError(f"{where}: diagnostic {diagnostic!r}; a mechanism claim names one of {', '.join(MECHANISM)} "
+                          "(a claim on the loss names none)")
+    return Claim({k: str(v) for k, v in entry["row"].items()}, entry["claim"], float(delta), family, paper,
+                 diagnostic)
 
 
 def committed_state(path: str) -> str:

@@ -252,11 +252,13 @@ def held_out_losses(runs: list[dict], lr_key: str, rate: str | None, select_seed
             and r["seed"] not in select_seeds}
 
 
-def held_out_mechanism(runs: list[dict], lr_key: str, rate: str | None, select_seeds) -> dict[str, dict[int, float]]:
-    """{diagnostic: {seed: its mean over the blocks}} of the held-out runs at a rate that trained (MECHANISM: what a
-    run logged with log_diagnostics at its last evaluation); a diagnostic no run logged is left out."""
+def held_out_mechanism(runs: list[dict], lr_key: str, rate: str | None, select_seeds,
+                       metric: str = "val_loss") -> dict[str, dict[int, float]]:
+    """{diagnostic: {seed: its mean over the blocks}} of the held-out runs at a rate that trained to a finite `metric`
+    (MECHANISM: what a run logged with log_diagnostics at its last evaluation that logged them); a run with a
+    non-finite block value gives none, and a diagnostic no run logged is left out."""
     held = [r for r in runs if rate is not None and str(r[lr_key]) == str(rate) and r["seed"] not in select_seeds
-            and math.isfinite(final_loss(r))]
+            and math.isfinite(final_loss(r, metric))]
     values = {key: {r["seed"]: statistics.fmean(r[key]) for r in held
                     if r.get(key) and all(x is not None and math.isfinite(x) for x in r[key])} for key in MECHANISM}
     return {key: v for key, v in values.items() if v}
@@ -305,16 +307,17 @@ def lr_table_tests(rows: list[dict], choice: list[dict], keys: list[str], lr_key
                 "second_lr": c.get("second_lr"),
                 "diverged_lrs": ",".join(c["diverged_lrs"]) or None, "crashed_lrs": ",".join(c["crashed_lrs"]) or None,
                 "lr_sensitivity": c["lr_sensitivity"], "edge_warning": point_warnings(c["edge_warning"], losses),
-                "seed_mechanism": held_out_mechanism(runs, lr_key, c["best_lr"], select_seeds),
+                "seed_mechanism": held_out_mechanism(runs, lr_key, c["best_lr"], select_seeds, metric),
                 "grid_shortfall": grid_shortfall([r for r in runs if r["seed"] in select_seeds], lr_key, c["best_lr"],
                                                  unigram, metric)}
 
     table = [point_row(c) for c in choice]
     base = next((row for row, c in zip(table, choice, strict=True) if baseline and matches(c, baseline)), None)
     if base is not None:
-        base["baseline"] = True
+        base["is_baseline"] = True
         base["second_seed_losses"] = held_out_losses(runs_of(base), lr_key, base["second_lr"], select_seeds, metric)
-        base["second_seed_mechanism"] = held_out_mechanism(runs_of(base), lr_key, base["second_lr"], select_seeds)
+        base["second_seed_mechanism"] = held_out_mechanism(runs_of(base), lr_key, base["second_lr"], select_seeds,
+                                                           metric)
     others = [row for row in table if base is not None and row is not base]
     tests = [comparison(row, base, claims.for_row({**(settings or {}), **row}),
                         scale_text({**setup, **row}) if setup else None) for row in others]
@@ -327,11 +330,14 @@ def mechanism_tests(row: dict, base: dict, claims: Claims, settings: dict | None
     """The tests (add_verdicts) of a row's mechanism claims (claims.for_row of each diagnostic its held-out runs
     logged): its values at its best rate against the baseline's at its best rate and at its second-best, on the
     seeds both share, each verdict filled into row["mechanism_verdicts"][diagnostic]. A claim whose diagnostic the
-    baseline did not log is not tested (its family still counts it)."""
+    baseline did not log is not tested, and its cell says so (its family still counts it)."""
     tests = []
     for key, values in row["seed_mechanism"].items():
         claim = claims.for_row({**(settings or {}), **row}, key)
-        if claim is None or claim.claim is None or key not in base["seed_mechanism"]:
+        if claim is None or claim.claim is None:
+            continue
+        if key not in base["seed_mechanism"]:
+            row.setdefault("mechanism_verdicts", {})[key] = {"verdict": "no verdict: the baseline logged no value"}
             continue
         shortfalls = [row["grid_shortfall"], base["grid_shortfall"]]
         second = base["second_seed_mechanism"].get(key)
@@ -403,36 +409,38 @@ def uniform_head_mass(block_size: int) -> float:
 
 
 def mechanism_cell(values: dict[int, float], base: dict[int, float] | None, judged: dict | None = None) -> str:
-    """mean ± std of a diagnostic over the held-out seeds and, against the baseline's on the seeds both share, Δ
-    with its 95% interval and the word: a mechanism claim's verdict (`judged`: mechanism_tests' columns), else the
-    rule's description, never a verdict word."""
+    """mean ± std (n) of a diagnostic over the held-out seeds and, against the baseline's, Δ with its 95% interval
+    (paired on the seeds both share, as lr_verdict pairs the losses) and the word: a mechanism claim's verdict
+    (`judged`: mechanism_tests' columns), else the rule's description, never a verdict word."""
     xs = list(values.values())
-    text = f"{statistics.fmean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "")
-    shared = sorted(set(values) & set(base or {}))
-    if base is None or len(shared) < 2:
+    text = f"{statistics.fmean(xs):.4g}" + (f" ± {statistics.stdev(xs):.2g}" if len(xs) > 1 else "") + \
+        f" (n={len(xs)})"
+    if judged and "claim" not in judged:  # a claim that could not be tested, and why
+        return f"{text}; {judged['verdict']}"
+    v = judged or (lr_verdict(values, base, None, 0.0, []) if base else None)
+    if v is None:
         return text
-    v = verdict([values[s] for s in shared], [base[s] for s in shared], None, paired=True)
-    word = judged["verdict"] if judged and "verdict" in judged else v["verdict"]
-    claim = f"claim {judged['claim']}, δ {judged['delta']:g}: " if judged and judged.get("claim") else ""
-    return text + f"; Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], {claim}{word}"
+    interval = "" if v["diff"] is None else f"Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], "
+    claim = f"claim {judged['claim']}, δ {judged['delta']:g}: " if judged else ""
+    return f"{text}; {interval}{claim}{v['verdict']}"
 
 
 def mechanism_table_text(table: list[dict], keys: list[str], setup: dict | None) -> str | None:
     """The mechanism diagnostics of a sweep's per-point table (held_out_mechanism: each point at its best rate, the
-    last evaluation, the mean over the blocks), each against the baseline's where the table has one; None when no
-    run logged them."""
+    last evaluation that logged them, the mean over the blocks), each against the baseline's where the table has
+    one; None when no run logged them."""
     logged = [key for key in MECHANISM if any(key in row.get("seed_mechanism", {}) for row in table)]
     if not logged:
         return None
-    base = next((row.get("seed_mechanism", {}) for row in table if row.get("baseline")), None)
+    base = next((row.get("seed_mechanism", {}) for row in table if row.get("is_baseline")), None)
     rows = [{**{k: row[k] for k in keys}, "best_lr": row["best_lr"],
-             **{key: mechanism_cell(row["seed_mechanism"][key], None if row.get("baseline") or base is None
+             **{key: mechanism_cell(row["seed_mechanism"][key], None if row.get("is_baseline") or base is None
                                     else base.get(key), row.get("mechanism_verdicts", {}).get(key))
                 for key in logged if key in row.get("seed_mechanism", {})}} for row in table]
     references = {"attn_first_token_mass": f"a head that weighs every key alike gives token 0 "
                   f"{uniform_head_mass(setup['block_size']):.4f}" if setup and setup.get("block_size") else None,
                   "stream_excess_kurtosis": "a Gaussian stream's excess kurtosis is 0"}
     said = [text for key, text in references.items() if key in logged and text]
-    return ("Mechanism, at each point's best rate on the held-out seeds (the last evaluation, each the mean over the "
-            f"blocks{'; ' if said else ''}{'; '.join(said)}):\n\n"
+    caption = "; ".join(["the last evaluation that logged it, each the mean over the blocks", *said])
+    return (f"Mechanism, at each point's best rate on the held-out seeds ({caption}):\n\n"
             + format_table(rows, [*keys, "best_lr", *logged]))

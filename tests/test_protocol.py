@@ -146,7 +146,7 @@ def test_a_claims_file_fixes_the_family_whatever_the_table_holds(tmp_path):
      '"delta": -1, "paper": "X"}]}', "delta -1"),
     ('{"baseline": {"norm_scheme": "pre"}, "claims": [{"row": {"norm_scheme": "a"}, "claim": "lower"}]}', "paper"),
     ('{"baseline": {"norm_scheme": "pre"}, "claims": [{"row": {"norm_scheme": "a"}, "claim": "lower", '
-     '"paper": "X", "metric": "sink"}]}', "metric 'sink'"),
+     '"paper": "X", "diagnostic": "sink"}]}', "diagnostic 'sink'"),
 ])
 def test_a_claims_file_that_cannot_be_read_exits_2_with_one_line(tmp_path, capsys, content, message):
     (tmp_path / "claims.json").write_text(content)
@@ -229,15 +229,15 @@ def test_the_mechanism_table_takes_each_point_at_its_rate_on_the_held_out_seeds_
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in printed[printed.index("Mechanism"):].splitlines() if line.startswith("| p")}
     assert rows["pre"][0] == rows["post"][0] == "0.00173"  # both picked the refined rate, where the offset is 0
-    assert rows["pre"][1] == "0.08 ± 0.016" and rows["pre"][2] == "13 ± 1.6"  # seeds 1-5 only, mean over blocks
-    assert rows["post"][1] == "0.28 ± 0.016; Δ +0.2 [+0.2, +0.2], higher"  # paired on the seeds both share
-    assert rows["post"][2] == "13 ± 1.6; Δ +0 [+0, +0], not distinguishable"
+    assert rows["pre"][1] == "0.08 ± 0.016 (n=5)" and rows["pre"][2] == "13 ± 1.6 (n=5)"  # seeds 1-5, block mean
+    assert rows["post"][1] == "0.28 ± 0.016 (n=5); Δ +0.2 [+0.2, +0.2], higher"  # paired on the seeds both share
+    assert rows["post"][2] == "13 ± 1.6 (n=5); Δ +0 [+0, +0], not distinguishable"
     assert "excess kurtosis" not in printed and f"alike gives token 0 {lr_table.uniform_head_mass(128):.4f}" in printed
     assert lr_table.uniform_head_mass(2) == 0.5 and lr_table.uniform_head_mass(3) == (1 / 2 + 1 / 3) / 2
 
 
 def test_mechanism_claims_are_judged_on_the_held_out_values_in_their_papers_family(tmp_path, monkeypatch, capsys):
-    """A claims file's mechanism claims (a "metric" among the diagnostics) are judged on the held-out runs' values
+    """A claims file's mechanism claims (a "diagnostic" each) are judged on the held-out runs' values
     at each arm's best rate, against the baseline's at its best and second-best rates, Holm-corrected with the
     paper's loss claim in one family of three, and the loss claim on the same row is still judged on the loss."""
     def diagnostics(lr: float, seed: int, scheme: str) -> dict:
@@ -248,9 +248,9 @@ def test_mechanism_claims_are_judged_on_the_held_out_values_in_their_papers_fami
                                                      + 0.01 * seed - 0.05 * (scheme == "post"), diagnostics))
     paper = {"row": {"norm_scheme": "post"}, "paper": "X"}
     path = claims_file(tmp_path / "claims.json", [{**paper, "claim": "lower", "delta": 0.02},
-                                                  {**paper, "claim": "lower", "metric": "attn_first_token_mass"},
+                                                  {**paper, "claim": "lower", "diagnostic": "attn_first_token_mass"},
                                                   {**paper, "claim": "on_par", "delta": 1.0,
-                                                   "metric": "stream_max_over_median"}])
+                                                   "diagnostic": "stream_max_over_median"}])
     assert sweep.main([CONFIG, "--grid", "norm_scheme=pre,post", "--set", "max_iters=4", "--lr_grid", ",".join(RATES),
                        "--seeds", "1,2,3,4,5", "--claims", path, "--out_root", str(tmp_path / "lr"), "--results",
                        str(tmp_path / "results")]) == 0
@@ -264,6 +264,21 @@ def test_mechanism_claims_are_judged_on_the_held_out_values_in_their_papers_fami
     assert "Δ +0 [+0, +0], claim on_par, δ 1: reproduced at" in peak and "family X: 3 claims" in peak, peak
     assert kurtosis.endswith("not distinguishable")  # no claim on it: described
     assert "reproduced at shakespeare_char" in next(line for line in table.splitlines() if line.startswith("| post"))
+
+
+def test_a_mechanism_cell_prints_the_interval_its_word_comes_from():
+    """With a seed lost on one arm (4 shared pairs, fewer than 5), the verdict is Welch's over every seed; the cell
+    prints that comparison's Δ and interval, not a paired one of its own, and a judged word is never dropped, even
+    on arms that share no seed."""
+    values, base = {1: 0.30, 2: 0.31, 3: 0.33, 4: 0.32}, {1: 0.10, 2: 0.12, 3: 0.10, 4: 0.11, 5: 0.30}
+    v = lr_table.lr_verdict(values, base, "lower", 0.0, [])
+    assert not v["paired"]
+    cell = lr_table.mechanism_cell(values, base, lr_table.verdict_columns(v))
+    assert f"(n=4); Δ {v['diff']:+.3g} [{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], claim lower, δ 0: " in cell, cell
+    assert lr_table.mechanism_cell(values, base).endswith(f"[{v['ci'][0]:+.3g}, {v['ci'][1]:+.3g}], higher")
+    apart = lr_table.lr_verdict({7: 0.3, 8: 0.4}, {1: 0.1, 2: 0.2}, "lower", 0.0, [])
+    assert lr_table.mechanism_cell({7: 0.3, 8: 0.4}, {1: 0.1, 2: 0.2}, lr_table.verdict_columns(apart)).endswith(
+        lr_table.verdict_columns(apart)["verdict"])
 
 
 def test_results_files_record_the_metric_and_the_tables_refuse_to_mix_metrics(tmp_path, monkeypatch, capsys):
@@ -428,10 +443,10 @@ def test_a_tiny_lr_grid_sweep_runs_the_protocol_to_its_verdict_table(data_dir, t
 
 def test_the_committed_claims_files_read_and_name_their_families():
     """claims/*.json are fixed before their studies' runs: each reads as a claims file, one claim per row and
-    metric."""
+    diagnostic."""
     for name in os.listdir(os.path.join(ROOT, "claims")):
         claims = sweep.read_claims(os.path.join(ROOT, "claims", name))
-        rows = [(tuple(sorted(c.row.items())), c.metric) for c in claims.claims]
+        rows = [(tuple(sorted(c.row.items())), c.diagnostic) for c in claims.claims]
         assert len(rows) == len(set(rows)) and all(claims.family_size(c.family) >= 1 for c in claims.claims)
 
 
