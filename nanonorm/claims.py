@@ -15,7 +15,7 @@ with one sweep per depth); `claim` is lower, higher (by δ = delta >= 0, in nats
 `family` defaults to `paper`. The family's size is the number of its claims in the file, whatever a table holds.
 A claim about a mechanism names the diagnostic it is about (`"diagnostic": "attn_first_token_mass"`, one of MECHANISM,
 its δ in that diagnostic's units) and is judged on the held-out runs' values of it (the mean over the blocks); a
-row may carry one claim per metric.
+row may carry one claim per diagnostic.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from model import (
     geonorm_decay,
     rope_tables,
 )
+from nanonorm.claims import MECHANISM
 from nanonorm.diagnostics import (
     block_activation_rms,
     excess_kurtosis,
@@ -661,6 +662,7 @@ def test_stream_statistics_measure_each_blocks_stream_and_leave_the_model_as_it_
             weights = torch.softmax(scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf), -1)
             masses.append(weights[..., 1:, 0].mean().item())
     found = stream_statistics(model, idx)
+    assert tuple(found) == MECHANISM  # the names results files, tables and mechanism claims read them by
     assert found["attn_first_token_mass"] == pytest.approx(masses, rel=1e-5)  # float32 scores against float64
     assert found["stream_max_over_median"] == [max_over_median(x).item() for x in stream[1:]]
     assert found["stream_excess_kurtosis"] == [excess_kurtosis(x).item() for x in stream[1:]]
